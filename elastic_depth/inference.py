@@ -1,0 +1,216 @@
+"""Inference on a frozen looped LM: teacher-forced scoring with per-token exit, and
+autoregressive generation with a KV cache whose size does not depend on the loops.
+
+Two semantics, both documented in WORKSPACE.md:
+* Parallel (`score`): all positions run together; at loop i a token attends to
+  every earlier token's keys/values of loop min(i, its exit depth). With no exit
+  this is exactly the training computation at uniform depth.
+* Cached (`decode_step`, `generate`, `score_cached`): one new token at a time; in
+  every core block it attends to the keys/values that earlier tokens offered at
+  their last executed loop (one cache slot per token and block, overwritten each
+  loop: Huginn-style KV sharing). The prompt is prefilled in parallel semantics.
+"""
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from elastic_depth import policies, recurrence
+from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth.model import LoopedLM, positions
+
+
+class ScoreResult(NamedTuple):
+  """Teacher-forced scoring output."""
+  logits: jax.Array   # [B, L, V] fp32
+  depth: jax.Array    # [B, L] loops per token
+  traces: Any         # dict of [R, B, L] per-loop stats (empty unless trace)
+  kv: Any             # per core block (k, v) offered at the end
+  e: jax.Array        # prelude output [B, L, D]
+  state: jax.Array    # final state [B, L, D]
+
+
+def _freeze(kv_prev, active_BxL):
+  """kv_fn that lets inactive tokens offer their frozen keys/values."""
+  a = active_BxL[:, :, None, None]
+  k_prev, v_prev = kv_prev
+  return lambda k, v: (jnp.where(a, k, k_prev), jnp.where(a, v, v_prev), None)
+
+
+def _max_loops(cfg: ExitConfig) -> int:
+  return cfg.depth if ExitPolicy(cfg.policy) == ExitPolicy.UNIFORM else cfg.max_loops
+
+
+def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Array, *,
+          targets_BxL: Optional[jax.Array] = None,
+          router: Optional[policies.Router] = None, trace: bool = False) -> ScoreResult:
+  """Scores a batch with per-token early exit in parallel semantics.
+
+  Args:
+    model: the frozen LM.
+    tokens_BxL: int32 input tokens.
+    cfg: exit policy, eps, min/max loops (A0 uses cfg.depth).
+    rng: key for the initial recurrent state.
+    targets_BxL: next tokens; with trace, per-loop NLL is recorded.
+    router: A2 probe (policy 'router', or to trace its probability).
+    trace: record per-loop stats (run with policy 'uniform' for full traces).
+  Returns:
+    ScoreResult with logits_BxLxV computed by the coda on the final states.
+  """
+  pos = positions(tokens_BxL)
+  e, _ = model.encode(tokens_BxL, pos)
+  s0 = model.initial_state(e, rng)
+  b, l = tokens_BxL.shape
+  c = model.cfg
+  zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
+  kv0 = [(zeros, zeros) for _ in range(c.n_core)]
+
+  def masked_step(s, kv, active):
+    fns = [_freeze(kv[j], active) for j in range(c.n_core)]
+    return model.core_step(s, e, pos, fns)
+
+  readout = lambda s: model.decode_state(s, pos)[0]
+  check_fn, carry0 = policies.make_check_fn(
+      cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
+      router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
+  res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
+                              min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
+                              check_every=cfg.check_every, trace=trace)
+  logits = model.logits(readout(res.state))
+  return ScoreResult(logits, res.depth, res.traces, res.kv, e, res.state)
+
+
+def nll(logits_BxLxV, targets_BxL, mask_BxL=None) -> jax.Array:
+  """Per-token negative log-likelihood in fp32 [B, L] (masked to 0)."""
+  logits = logits_BxLxV.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
+  out = lse - tgt
+  return out if mask_BxL is None else out * mask_BxL
+
+
+# ----------------------------------------------------------------------------
+# Cached decoding.
+
+
+class Cache(NamedTuple):
+  """Per block (k, v) of shape [B, S, G, K] for prelude, core and coda blocks."""
+  prelude: list
+  core: list
+  coda: list
+
+
+def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
+  """An all-zero cache for max_len positions (size independent of the loop count)."""
+  c = model.cfg
+  z = lambda: (jnp.zeros((batch, max_len, c.num_kv_heads, c.head_dim), model.dtype),) * 2
+  return Cache([z() for _ in range(c.n_prelude)], [z() for _ in range(c.n_core)],
+               [z() for _ in range(c.n_coda)])
+
+
+def _write(cache_kv, kv, start):
+  k, v = cache_kv
+  return (lax.dynamic_update_slice_in_dim(k, kv[0].astype(k.dtype), start, 1),
+          lax.dynamic_update_slice_in_dim(v, kv[1].astype(v.dtype), start, 1))
+
+
+def _cached(cache_kv, pos, keep_B=None):
+  """kv_fn writing the new token's (k, v) at pos and attending to positions <= pos."""
+  def fn(k, v):
+    if keep_B is not None:  # inactive rows keep the slot of their last executed loop
+      old_k = lax.dynamic_slice_in_dim(cache_kv[0], pos, 1, 1)
+      old_v = lax.dynamic_slice_in_dim(cache_kv[1], pos, 1, 1)
+      m = keep_B[:, None, None, None]
+      k, v = jnp.where(m, old_k, k), jnp.where(m, old_v, v)
+    ks, vs = _write(cache_kv, (k, v), pos)
+    s = ks.shape[1]
+    mask = (jnp.arange(s) <= pos)[None, None, None, :]
+    return ks, vs, mask
+  return fn
+
+
+def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
+            router=None):
+  """Runs the prompt in parallel semantics and fills a cache of max_len positions."""
+  res = score(model, prompt_BxP, cfg, rng, router=router)
+  pos = positions(prompt_BxP)
+  _, pre_kv = model.encode(prompt_BxP, pos)
+  _, coda_kv = model.decode_state(res.state, pos)
+  cache = init_cache(model, prompt_BxP.shape[0], max_len)
+  cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, pre_kv)],
+                [_write(c, kv, 0) for c, kv in zip(cache.core, res.kv)],
+                [_write(c, kv, 0) for c, kv in zip(cache.coda, coda_kv)])
+  return cache, res.logits[:, -1], res.depth
+
+
+def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
+                router=None):
+  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B)."""
+  c = model.cfg
+  tok = token_B[:, None]
+  pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
+  e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
+  s0 = model.initial_state(e, jax.random.fold_in(rng, pos))
+
+  def masked_step(s, core_kv, active_Bx1):
+    fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
+    return model.core_step(s, e, pos_Bx1, fns)
+
+  def readout(s):
+    return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])[0]
+
+  check_fn, carry0 = policies.make_check_fn(
+      cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
+      router=router, use_kernel=cfg.use_kernel)
+  res = recurrence.early_exit(masked_step, check_fn, s0, cache.core, carry0(s0),
+                              min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
+                              check_every=cfg.check_every)
+  h, coda_kv = model.decode_state(res.state, pos_Bx1,
+                                  [_cached(kv, pos) for kv in cache.coda])
+  logits = model.logits(h)[:, 0]
+  return logits, Cache(pre_kv, list(res.kv), coda_kv), res.depth[:, 0]
+
+
+def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, rng,
+                 router=None):
+  """Teacher-forced scoring in cached semantics: prefill the prompt, then one token at a time.
+
+  Returns logits [B, L - prompt_len + 1, V] predicting tokens prompt_len.. and the
+  depths [B, L - prompt_len] of tokens prompt_len.. (the prompt's own depths first).
+  """
+  l = tokens_BxL.shape[1]
+  cache, last, pdepth = prefill(model, tokens_BxL[:, :prompt_len], cfg, rng, l, router)
+
+  def body(cache, t):
+    tok = lax.dynamic_index_in_dim(tokens_BxL, t, 1, keepdims=False)
+    logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router)
+    return cache, (logits, d)
+
+  _, (logits, depth) = lax.scan(body, cache, jnp.arange(prompt_len, l))
+  logits = jnp.concatenate([last[None], logits[:-1]], 0) if l > prompt_len else last[None]
+  return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(depth, 0, 1), pdepth
+
+
+def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
+             temperature: float = 0.0, router=None):
+  """Samples n_new tokens (greedy at temperature 0); returns (tokens_BxL, depth_Bxn_new)."""
+  b, p = prompt_BxP.shape
+  total = p + n_new
+  cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
+
+  def pick(logits, key):
+    if temperature <= 0:
+      return jnp.argmax(logits, -1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+  def body(carry, t):
+    cache, logits = carry
+    tok = pick(logits, jax.random.fold_in(rng, 1_000_003 + t))
+    logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router)
+    return (cache, logits), (tok, d)
+
+  _, (toks, depth) = lax.scan(body, (cache, logits), jnp.arange(p, total))
+  tokens = jnp.concatenate([prompt_BxP, toks.T], axis=1)
+  return tokens, depth.T

@@ -1,0 +1,199 @@
+"""The looped LM: prelude blocks, a weight-tied core applied r times, coda blocks, head.
+
+Every block is a sandwich-norm pre/post-norm block (Huginn's form):
+  x = norm2(x + attn(norm1(x)));  x = norm4(x + mlp(norm3(x))).
+One core step is `adapter(concat(state, e))` followed by the core blocks, where
+`e` is the prelude output re-injected at every loop.
+
+Attention takes an optional `kv_fn(k, v) -> (k_all, v_all, mask)` hook that the
+recurrence uses to freeze the keys/values of exited tokens or to read and write a
+KV cache; every block returns the keys/values it actually attended to.
+"""
+
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from elastic_depth.config import InitState, ModelConfig
+
+KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
+  return nnx.Param(std * jax.random.truncated_normal(rngs.params(), -3.0, 3.0, shape,
+                                                     jnp.float32))
+
+
+class RMSNorm(nnx.Module):
+  """RMS normalisation in fp32 with a learned scale."""
+
+  def __init__(self, cfg: ModelConfig):
+    self.scale = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
+    self.eps = cfg.norm_eps
+    self.dtype = DTYPES[cfg.dtype]
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    x = x_BxLxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...]).astype(self.dtype)
+
+
+def rope(x_BxLxHxK: jax.Array, pos_BxL: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (rotate-half form), computed in fp32."""
+  k = x_BxLxHxK.shape[-1]
+  freq_K2 = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+  ang_BxLxK2 = pos_BxL[..., None].astype(jnp.float32) * freq_K2
+  cos, sin = jnp.cos(ang_BxLxK2)[:, :, None], jnp.sin(ang_BxLxK2)[:, :, None]
+  x = x_BxLxHxK.astype(jnp.float32)
+  x1, x2 = x[..., : k // 2], x[..., k // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxK.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query attention with RoPE."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.wq_DxHxK = _normal(rngs, (d, h, k), cfg.init_std)
+    self.wk_DxGxK = _normal(rngs, (d, g, k), cfg.init_std)
+    self.wv_DxGxK = _normal(rngs, (d, g, k), cfg.init_std)
+    self.wo_HxKxD = _normal(rngs, (h, k, d), cfg.init_std)
+    self.theta = cfg.rope_theta
+    self.dtype = DTYPES[cfg.dtype]
+
+  def __call__(self, x_BxLxD, pos_BxL, kv_fn: Optional[KVFn] = None):
+    dt = self.dtype
+    q = jnp.einsum('BLD,DHK->BLHK', x_BxLxD, self.wq_DxHxK[...].astype(dt))
+    k = jnp.einsum('BLD,DGK->BLGK', x_BxLxD, self.wk_DxGxK[...].astype(dt))
+    v = jnp.einsum('BLD,DGK->BLGK', x_BxLxD, self.wv_DxGxK[...].astype(dt))
+    q, k = rope(q, pos_BxL, self.theta), rope(k, pos_BxL, self.theta)
+    mask = None
+    if kv_fn is not None:
+      k, v, mask = kv_fn(k, v)
+    o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
+    out = jnp.einsum('BLHK,HKD->BLD', o, self.wo_HxKxD[...].astype(dt))
+    return out, (k, v)
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.mlp_dim
+    self.w_gate_DxF = _normal(rngs, (d, f), cfg.init_std)
+    self.w_up_DxF = _normal(rngs, (d, f), cfg.init_std)
+    self.w_down_FxD = _normal(rngs, (f, d), cfg.init_std)
+    self.dtype = DTYPES[cfg.dtype]
+
+  def __call__(self, x_BxLxD):
+    dt = self.dtype
+    gate = jnp.einsum('BLD,DF->BLF', x_BxLxD, self.w_gate_DxF[...].astype(dt))
+    up = jnp.einsum('BLD,DF->BLF', x_BxLxD, self.w_up_DxF[...].astype(dt))
+    return jnp.einsum('BLF,FD->BLD', jax.nn.silu(gate) * up, self.w_down_FxD[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Sandwich-norm transformer block."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.norm1, self.norm2 = RMSNorm(cfg), RMSNorm(cfg)
+    self.norm3, self.norm4 = RMSNorm(cfg), RMSNorm(cfg)
+    self.attn = Attention(cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BxLxD, pos_BxL, kv_fn: Optional[KVFn] = None):
+    a, kv = self.attn(self.norm1(x_BxLxD), pos_BxL, kv_fn)
+    x = self.norm2(x_BxLxD + a)
+    x = self.norm4(x + self.mlp(self.norm3(x)))
+    return x, kv
+
+
+def _run_blocks(blocks, x, pos, kv_fns: Optional[Sequence[Optional[KVFn]]]):
+  """Applies blocks in order; returns the output and the per-block (k, v)."""
+  kvs = []
+  for j, block in enumerate(blocks):
+    x, kv = block(x, pos, None if kv_fns is None else kv_fns[j])
+    kvs.append(kv)
+  return x, kvs
+
+
+class LoopedLM(nnx.Module):
+  """Prelude -> weight-tied core (r loops, input re-injection) -> coda -> head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d = cfg.d_model
+    self.dtype = DTYPES[cfg.dtype]
+    self.embed_VxD = _normal(rngs, (cfg.vocab_size, d), cfg.init_std)
+    self.prelude = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_prelude)])
+    self.adapter_2DxD = _normal(rngs, (2 * d, d), cfg.init_std)
+    self.core = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_core)])
+    self.coda = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_coda)])
+    self.final_norm = RMSNorm(cfg)
+    if not cfg.tie_embeddings:
+      self.head_VxD = _normal(rngs, (cfg.vocab_size, d), cfg.init_std)
+
+  def head_weight(self) -> jax.Array:
+    """LM head matrix [V, D] (the embedding when tied)."""
+    return (self.embed_VxD if self.cfg.tie_embeddings else self.head_VxD)[...]
+
+  def encode(self, tokens_BxL, pos_BxL, kv_fns=None):
+    """Embedding and prelude; returns the injection e_BxLxD and prelude (k, v)."""
+    x = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.dtype)
+    return _run_blocks(self.prelude, x, pos_BxL, kv_fns)
+
+  def initial_state(self, e_BxLxD, rng: jax.Array) -> jax.Array:
+    """Recurrent state before the first loop: truncated normal or zeros."""
+    if self.cfg.init_state == InitState.ZEROS.value:
+      return jnp.zeros_like(e_BxLxD)
+    s = jax.random.truncated_normal(rng, -3.0, 3.0, e_BxLxD.shape, jnp.float32)
+    return (self.cfg.state_std * s).astype(e_BxLxD.dtype)
+
+  def core_step(self, s_BxLxD, e_BxLxD, pos_BxL, kv_fns=None):
+    """One loop of the shared core; returns the new state and per-block (k, v)."""
+    x = jnp.concatenate([s_BxLxD, e_BxLxD], axis=-1)
+    x = jnp.einsum('BLC,CD->BLD', x, self.adapter_2DxD[...].astype(self.dtype))
+    return _run_blocks(self.core, x, pos_BxL, kv_fns)
+
+  def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None):
+    """Coda and final norm: the hidden h_BxLxD that the head reads, and coda (k, v)."""
+    x, kvs = _run_blocks(self.coda, s_BxLxD, pos_BxL, kv_fns)
+    return self.final_norm(x), kvs
+
+  def logits(self, h_BxLxD) -> jax.Array:
+    """LM head in fp32: logits_BxLxV."""
+    w = self.head_weight().astype(self.dtype)
+    return jnp.einsum('BLD,VD->BLV', h_BxLxD, w, preferred_element_type=jnp.float32)
+
+
+def positions(tokens_BxL) -> jax.Array:
+  """Positions 0..L-1 broadcast over the batch."""
+  b, l = tokens_BxL.shape
+  return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Unique parameter count, computed abstractly (nothing allocated)."""
+  abstract = nnx.eval_shape(lambda: LoopedLM(cfg, nnx.Rngs(0)))
+  state = nnx.state(abstract, nnx.Param)
+  return sum(int(jnp.size(x)) if hasattr(x, 'size') else 0
+             for x in jax.tree.leaves(state))
+
+
+def flops_per_token(cfg: ModelConfig, r: float, seq_len: int) -> dict:
+  """Forward matmul FLOPs per token at depth r (attention scores counted causally)."""
+  d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  proj = 2 * d * (2 * h * k + 2 * g * k)
+  attn = 2 * 2 * h * k * seq_len / 2  # QK^T and AV over half the sequence on average
+  block = proj + attn + 2 * 3 * d * f
+  prelude = cfg.n_prelude * block
+  loop = cfg.n_core * block + 2 * 2 * d * d
+  head = 2 * d * cfg.vocab_size
+  check = cfg.n_coda * block + head
+  total = prelude + r * loop + cfg.n_coda * block + head
+  return dict(prelude=prelude, loop=loop, coda_head=check, head=head, total=total)

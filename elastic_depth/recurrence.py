@@ -1,0 +1,125 @@
+"""Control flow over the shared core: fixed scan, bucketed switch, early-exit while_loop.
+
+Nothing here knows about attention or vocabularies; the model enters through
+closures:
+  step_fn(s) -> s                             (training / uniform depth)
+  masked_step_fn(s, kv, active) -> (s, kv)    (early exit; kv: per core block (k, v))
+  check_fn(s_new, s_old, carry, i) -> (exit_BxL, carry, stats)
+
+Early-exit semantics (teacher-forced, all positions in parallel): at loop i every
+still-active token runs the core; an exited token's state is frozen and the keys
+and values it offers the other tokens in each core block are those of its last
+executed loop. `masked_step_fn` implements the freezing of keys/values (see
+`elastic_depth.inference`); this module freezes states, counts depths and decides
+when to stop: at `max_loops`, or as soon as no token is active.
+"""
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def fixed_depth(step_fn: Callable, s: Any, n: int, *, remat: bool = True) -> Any:
+  """Applies step_fn n times (static n) with a lax.scan; remat on the step."""
+  if n == 0:
+    return s
+  body = jax.checkpoint(step_fn) if remat else step_fn
+  s, _ = lax.scan(lambda c, _: (body(c), None), s, None, length=n)
+  return s
+
+
+def dynamic_depth(step_fn: Callable, s: Any, n: jax.Array) -> Any:
+  """Applies step_fn a traced number of times (forward only: a while loop)."""
+  return lax.fori_loop(0, n, lambda _, c: step_fn(c), s)
+
+
+def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
+                   buckets: Sequence[int], *, backprop_depth: int = 0,
+                   remat: bool = True) -> Any:
+  """Runs buckets[bucket_idx] loops: one lax.switch branch per bucket, each a fixed scan.
+
+  Args:
+    step_fn: one recurrence step, s -> s.
+    s: initial state (any pytree).
+    bucket_idx: traced int32 scalar in [0, len(buckets)).
+    buckets: static loop counts.
+    backprop_depth: if > 0, only the last backprop_depth loops receive gradient.
+    remat: jax.checkpoint each step (much less memory, and faster on CPU).
+  Returns:
+    The state after buckets[bucket_idx] steps.
+  """
+  def branch(b: int):
+    k = b if backprop_depth <= 0 else min(b, backprop_depth)
+
+    def run(s):
+      if b > k:
+        s = lax.stop_gradient(fixed_depth(step_fn, s, b - k, remat=remat))
+      return fixed_depth(step_fn, s, k, remat=remat)
+    return run
+
+  branches = [branch(b) for b in buckets]
+  if len(branches) == 1:
+    return branches[0](s)
+  return lax.switch(jnp.asarray(bucket_idx, jnp.int32), branches, s)
+
+
+class ExitResult(NamedTuple):
+  """Output of early_exit."""
+  state: jax.Array         # final states, [B, L, D]
+  kv: Any                  # per core block (k, v) offered at the end (last executed loop)
+  depth: jax.Array         # loops executed per token, int32 [B, L]
+  loops: jax.Array         # loops the while_loop ran (max over tokens), int32 []
+  traces: Any              # per-loop stats [R, B, L] (zeros unless trace=True)
+
+
+def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0: Any,
+               check0: Any, *, min_loops: int, max_loops: int, check_every: int = 1,
+               active0: jax.Array | None = None, trace: bool = False) -> ExitResult:
+  """Per-token early exit: a lax.while_loop with an active mask over B x L tokens.
+
+  Args:
+    masked_step_fn: (s, kv, active_BxL) -> (s_new, kv_new): one core loop in which
+      inactive tokens offer their frozen keys/values `kv`.
+    check_fn: (s_new, s_old, carry, i) -> (exit_BxL, carry, stats dict of [B, L]);
+      i is the 1-based index of the loop just run.
+    s0: initial state [B, L, D].
+    kv0: initial per-block (k, v) buffers (any values: every token runs loop 1).
+    check0: initial carry of check_fn.
+    min_loops: no token exits before this many loops.
+    max_loops: hard cap.
+    check_every: the criterion is consulted at loops min_loops, min_loops + n, ...
+    active0: optional initial mask (e.g. padding positions start inactive).
+    trace: record check_fn's stats at every loop (shape [max_loops, B, L]).
+  Returns:
+    ExitResult.
+  """
+  b, l = s0.shape[:2]
+  active = jnp.ones((b, l), bool) if active0 is None else active0
+  depth = jnp.zeros((b, l), jnp.int32)
+  _, _, stats_shape = jax.eval_shape(check_fn, s0, s0, check0, jnp.int32(1))
+  traces = {k: jnp.zeros((max_loops if trace else 0, b, l), v.dtype)
+            for k, v in stats_shape.items()}
+
+  def cond(c):
+    i, _, _, active, *_ = c
+    return (i < max_loops) & jnp.any(active)
+
+  def body(c):
+    i, s, kv, active, depth, check, traces = c
+    s_new, kv = masked_step_fn(s, kv, active)
+    s_new = jnp.where(active[..., None], s_new, s)
+    i = i + 1
+    depth = depth + active.astype(jnp.int32)
+    want, check, stats = check_fn(s_new, s, check, i)
+    may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
+    active = active & ~(want & may)
+    if trace:
+      traces = {k: lax.dynamic_update_index_in_dim(traces[k], stats[k], i - 1, 0)
+                for k in traces}
+    return i, s_new, kv, active, depth, check, traces
+
+  init = (jnp.int32(0), s0, kv0, active, depth, check0, traces)
+  i, s, kv, _, depth, _, traces = lax.while_loop(cond, body, init)
+  return ExitResult(state=s, kv=kv, depth=depth, loops=i, traces=traces)

@@ -1,0 +1,230 @@
+"""Tests for the fused KL halting kernel (CPU: Pallas interpret mode)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_depth.kernels import kl_halting as klh
+
+ON_GPU = jax.default_backend() == 'gpu'
+INTERPRET = not ON_GPU
+
+
+def np_logits(h_NxD, w_VxD):
+  """Float64 logits a = h w^T."""
+  return np.einsum('nd,vd->nv', np.asarray(h_NxD, np.float64),
+                   np.asarray(w_VxD, np.float64))
+
+
+def np_kl_from_logits(a_NxV, b_NxV):
+  """Float64 (KL(softmax a || softmax b), argmax a, lse a)."""
+  a_NxV = np.asarray(a_NxV, np.float64)
+  b_NxV = np.asarray(b_NxV, np.float64)
+
+  def log_softmax(x_NxV):
+    m_N = x_NxV.max(axis=1, keepdims=True)
+    lse_N = m_N + np.log(np.exp(x_NxV - m_N).sum(axis=1, keepdims=True))
+    return x_NxV - lse_N, lse_N[:, 0]
+
+  logp_NxV, lse_a_N = log_softmax(a_NxV)
+  logq_NxV, _ = log_softmax(b_NxV)
+  kl_N = (np.exp(logp_NxV) * (logp_NxV - logq_NxV)).sum(axis=1)
+  return kl_N, a_NxV.argmax(axis=1), lse_a_N
+
+
+def to_f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def make_inputs(seed, n, d, v, *, logit_scale=1.0, delta=0.3, dtype=jnp.float32):
+  """Random h, hprev = h + delta * noise, w with logits of std ~logit_scale."""
+  rng = np.random.default_rng(seed)
+  h_NxD = rng.normal(size=(n, d))
+  hprev_NxD = h_NxD + delta * rng.normal(size=(n, d))
+  w_VxD = rng.normal(size=(v, d)) * logit_scale / np.sqrt(d)
+  return tuple(jnp.asarray(x, dtype) for x in (h_NxD, hprev_NxD, w_VxD))
+
+
+def expected(h_NxD, hprev_NxD, w_VxD):
+  w64_VxD = to_f64(w_VxD)
+  return np_kl_from_logits(np_logits(to_f64(h_NxD), w64_VxD),
+                           np_logits(to_f64(hprev_NxD), w64_VxD))
+
+
+def assert_argmax_close(got_N, a_NxV, want_N, min_gap):
+  """Argmax must match where the top-2 logit gap is above rounding noise."""
+  top2_Nx2 = -np.sort(-a_NxV, axis=1)[:, :2]
+  clear_N = (top2_Nx2[:, 0] - top2_Nx2[:, 1]) > min_gap
+  assert clear_N.mean() > 0.5
+  np.testing.assert_array_equal(np.asarray(got_N)[clear_N], want_N[clear_N])
+
+
+# (n, d, v, block_n, block_v, block_d): N and V not multiples of the blocks,
+# exact multiples, a chunked contraction, and tiny shapes.
+SHAPES = [
+    (70, 48, 1000, 32, 256, None),
+    (64, 64, 1024, 64, 256, None),
+    (100, 96, 2500, 64, 512, 32),
+    (5, 16, 37, 64, 128, None),
+]
+
+
+@pytest.mark.parametrize('n,d,v,block_n,block_v,block_d', SHAPES)
+def test_kl_halting_matches_numpy(n, d, v, block_n, block_v, block_d):
+  h, hprev, w = make_inputs(n + v, n, d, v, logit_scale=3.0)
+  kl_N, argmax_N, lse_N = klh.kl_halting(
+      h, hprev, w, block_n=block_n, block_v=block_v, block_d=block_d,
+      interpret=INTERPRET)
+  want_kl, want_argmax, want_lse = expected(h, hprev, w)
+  assert kl_N.shape == (n,) and argmax_N.dtype == jnp.int32
+  assert want_kl.mean() > 0.05  # non-trivial KL
+  np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(lse_N, want_lse, rtol=1e-5, atol=1e-5)
+  a_NxV = np_logits(to_f64(h), to_f64(w))
+  assert_argmax_close(argmax_N, a_NxV, want_argmax, 1e-4)
+
+
+@pytest.mark.parametrize('n,d,v', [(33, 40, 777), (16, 576, 300)])
+def test_reference_matches_numpy(n, d, v):
+  h, hprev, w = make_inputs(7 * n, n, d, v, logit_scale=3.0)
+  kl_N, argmax_N, lse_N = jax.jit(klh.reference_kl_halting)(h, hprev, w)
+  want_kl, want_argmax, want_lse = expected(h, hprev, w)
+  np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(lse_N, want_lse, rtol=1e-5, atol=1e-5)
+  assert_argmax_close(argmax_N, np_logits(to_f64(h), to_f64(w)), want_argmax,
+                      1e-4)
+
+
+def test_large_magnitude_logits_from_hidden():
+  # Logits with std ~5e3 (extremes beyond +-1e4): must stay finite and exact
+  # up to fp32 rounding of the logits themselves (~1e-3 absolute here).
+  h, hprev, w = make_inputs(3, 40, 64, 900, logit_scale=5e3, delta=1e-4)
+  want_kl, want_argmax, want_lse = expected(h, hprev, w)
+  assert np.abs(np_logits(to_f64(h), to_f64(w))).max() > 1e4
+  for fn in (
+      lambda: klh.kl_halting(h, hprev, w, block_n=32, block_v=256,
+                             interpret=INTERPRET),
+      lambda: klh.reference_kl_halting(h, hprev, w)):
+    kl_N, argmax_N, lse_N = fn()
+    assert np.all(np.isfinite(kl_N)) and np.all(np.isfinite(lse_N))
+    np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=2e-2)
+    np.testing.assert_allclose(lse_N, want_lse, rtol=1e-6, atol=1e-2)
+    np.testing.assert_array_equal(argmax_N, want_argmax)
+
+
+def test_large_magnitude_logits_exact():
+  # Exactly representable logits of +-1e4 with a small perturbation: KL is
+  # small, so subtracting lse_a - lse_b (~1e4 each) would lose everything.
+  rng = np.random.default_rng(11)
+  a_NxV = np.round(rng.uniform(-1e4, 1e4, size=(24, 700)))
+  a_NxV[:, 5] = 1e4  # a clear maximum so p is not one-hot on rounding noise
+  a_NxV[:, 6] = 1e4 - 1.0
+  a_NxV[:, 400] = 1e4 - 0.5
+  b_NxV = a_NxV + rng.choice([-0.5, 0.0, 0.25], size=a_NxV.shape)
+  want_kl, want_argmax, want_lse = np_kl_from_logits(a_NxV, b_NxV)
+  a32, b32 = jnp.asarray(a_NxV, jnp.float32), jnp.asarray(b_NxV, jnp.float32)
+  for kl_N, argmax_N, lse_N in (
+      klh.kl_from_logits(a32, b32, block_n=16, block_v=256,
+                         interpret=INTERPRET),
+      klh.reference_kl_from_logits(a32, b32)):
+    np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(lse_N, want_lse, rtol=1e-7, atol=1e-3)
+    np.testing.assert_array_equal(argmax_N, want_argmax)
+
+
+@pytest.mark.parametrize('logit_scale', [3.0, 5e3])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_identical_inputs_give_zero(logit_scale, dtype):
+  h, _, w = make_inputs(5, 50, 32, 600, logit_scale=logit_scale, dtype=dtype)
+  for kl_N, _, _ in (
+      klh.kl_halting(h, h, w, block_n=32, block_v=256, interpret=INTERPRET),
+      klh.reference_kl_halting(h, h, w)):
+    assert np.all(np.asarray(kl_N) >= 0.0)
+    np.testing.assert_allclose(kl_N, 0.0, atol=1e-6)
+
+
+def test_bf16_inputs():
+  h, hprev, w = make_inputs(9, 80, 64, 1500, logit_scale=3.0,
+                            dtype=jnp.bfloat16)
+  # The expectation uses the exact bf16 values in float64: only the fp32
+  # accumulation order differs, so the tolerance is close to fp32's.
+  want_kl, want_argmax, want_lse = expected(h, hprev, w)
+  a_NxV = np_logits(to_f64(h), to_f64(w))
+  for kl_N, argmax_N, lse_N in (
+      klh.kl_halting(h, hprev, w, block_n=64, block_v=512,
+                     interpret=INTERPRET),
+      klh.reference_kl_halting(h, hprev, w)):
+    assert kl_N.dtype == jnp.float32 and lse_N.dtype == jnp.float32
+    np.testing.assert_allclose(kl_N, want_kl, rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(lse_N, want_lse, rtol=1e-4, atol=1e-4)
+    assert_argmax_close(argmax_N, a_NxV, want_argmax, 1e-2)
+  # Mixed precision (fp32 hidden, bf16 head) is promoted, not rejected.
+  kl_N, _, _ = klh.kl_halting(h.astype(jnp.float32), hprev, w, block_n=64,
+                              block_v=512, interpret=INTERPRET)
+  np.testing.assert_allclose(kl_N, want_kl, rtol=2e-3, atol=1e-4)
+
+
+def test_argmax_ties_first_index():
+  # Small integers keep every dot product exact, so ties are exact.
+  rng = np.random.default_rng(4)
+  n, d, v = 6, 8, 1000
+  h_NxD = rng.integers(1, 4, size=(n, d)).astype(np.float32)
+  w_VxD = rng.integers(-3, 4, size=(v, d)).astype(np.float32)
+  h_NxD[3:] = 0.0  # all-equal logits: argmax must be 0
+  w_VxD[[130, 7, 131, 700, 999]] = 5.0  # max row; ties in and across tiles
+  h, w = jnp.asarray(h_NxD), jnp.asarray(w_VxD)
+  want_argmax_N = np.array([7, 7, 7, 0, 0, 0])
+  np.testing.assert_array_equal(np_logits(h_NxD, w_VxD).argmax(1),
+                                want_argmax_N)
+  for _, argmax_N, _ in (
+      klh.kl_halting(h, h, w, block_n=16, block_v=128, interpret=INTERPRET),
+      klh.reference_kl_halting(h, h, w)):
+    np.testing.assert_array_equal(argmax_N, want_argmax_N)
+  # First occurrence only in a later tile, with a tie in the padded last tile.
+  a_NxV = np.zeros((4, 300), np.float32)
+  a_NxV[:, [200, 257, 299]] = 2.0
+  a = jnp.asarray(a_NxV)
+  _, argmax_N, _ = klh.kl_from_logits(a, a, block_n=16, block_v=128,
+                                      interpret=INTERPRET)
+  np.testing.assert_array_equal(argmax_N, [200] * 4)
+
+
+@pytest.mark.parametrize('n,v,block_n,block_v', [(50, 1000, 32, 256),
+                                                  (64, 512, 64, 512)])
+def test_kl_from_logits_matches_numpy(n, v, block_n, block_v):
+  rng = np.random.default_rng(n * v)
+  a_NxV = rng.normal(size=(n, v)) * 3.0
+  b_NxV = a_NxV + rng.normal(size=(n, v))
+  want_kl, want_argmax, want_lse = np_kl_from_logits(a_NxV, b_NxV)
+  a32, b32 = jnp.asarray(a_NxV, jnp.float32), jnp.asarray(b_NxV, jnp.float32)
+  for kl_N, argmax_N, lse_N in (
+      klh.kl_from_logits(a32, b32, block_n=block_n, block_v=block_v,
+                         interpret=INTERPRET),
+      klh.reference_kl_from_logits(a32, b32)):
+    np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse_N, want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(argmax_N, want_argmax)
+
+
+def test_auto_dispatch():
+  h, hprev, w = make_inputs(2, 20, 32, 300, logit_scale=3.0)
+  want_kl, _, _ = expected(h, hprev, w)
+  for use_kernel in (False, True):
+    kl_N, _, _ = klh.kl_halting_auto(h, hprev, w, use_kernel=use_kernel)
+    np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason='compiled Pallas needs a GPU')
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_compiled_gpu(dtype):
+  # D=576 (not a power of two) exercises the chunked contraction on Triton.
+  h, hprev, w = make_inputs(1, 300, 576, 4100, logit_scale=3.0, dtype=dtype)
+  want_kl, _, want_lse = expected(h, hprev, w)
+  kl_N, _, lse_N = klh.kl_halting(h, hprev, w, block_n=64, block_v=128,
+                                  block_d=klh.gpu_block_d(576))
+  # fp32 inputs may use TF32 tensor cores by default: loose tolerance.
+  np.testing.assert_allclose(kl_N, want_kl, rtol=2e-2, atol=2e-3)
+  np.testing.assert_allclose(lse_N, want_lse, rtol=1e-3, atol=1e-3)
+  kl_auto_N, _, _ = klh.kl_halting_auto(h, hprev, w, use_kernel=True)
+  np.testing.assert_allclose(kl_auto_N, kl_N, rtol=1e-5, atol=1e-6)
