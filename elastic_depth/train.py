@@ -2,6 +2,10 @@
 
 import dataclasses
 import json
+import os
+import signal
+import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -13,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from elastic_depth import model as model_lib
 from elastic_depth import policies, recurrence
-from elastic_depth.config import Config, NanPolicy, Schedule, grad_accum_steps
+from elastic_depth.config import (Config, ConfigError, NanPolicy, Schedule, grad_accum_steps,
+                                  validate)
 
 
 class TrainState(struct.PyTreeNode):
@@ -198,6 +203,144 @@ def accum_steps(cfg: Config) -> int:
   return grad_accum_steps(cfg.train)
 
 
+def wall_clock() -> float:
+  """Monotonic seconds."""
+  return time.perf_counter()
+
+
 def place_state(state: TrainState, mesh: Mesh) -> TrainState:
   """Replicates the state on the mesh (so the first step does not recompile)."""
   return jax.device_put(state, NamedSharding(mesh, P()))
+
+
+def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
+  """Achieved FLOP/s of a large square matmul on the default device (median)."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / float(np.median(times))
+
+
+class _Preemption:
+  """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for s in (signal.SIGTERM, signal.SIGINT):
+        self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def check_workdir(workdir: str) -> None:
+  """Creates the workdir or raises a clear error if it is not writable."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, '.write_probe')
+    with open(probe, 'w') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(f'workdir {workdir!r} is not writable: {e}') from e
+
+
+def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False) -> dict:
+  """Trains cfg in workdir; returns the final summary (losses by depth, tokens/s)."""
+  validate(cfg)
+  check_workdir(workdir)
+  from elastic_depth import checkpoint, data as data_lib, metrics  # pylint: disable=g-import-not-at-top
+  t = cfg.train
+  mesh = make_mesh()
+  if t.batch_size % jax.process_count() or (t.batch_size // jax.process_count()) % max(
+      jax.local_device_count(), 1):
+    raise ConfigError(f'train.batch_size={t.batch_size} is not divisible across '
+                      f'{jax.device_count()} devices')
+  mngr = checkpoint.manager(workdir, t.keep_checkpoints)
+  if mngr.all_steps() and not resume:
+    raise ConfigError(f'{workdir!r} already holds checkpoints {mngr.all_steps()}; pass '
+                      '--resume to continue, or choose a new --workdir (nothing deleted)')
+  ds = data_lib.build(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
+                      vocab_size=cfg.model.vocab_size, workdir=workdir)
+  graphdef, state = init_state(cfg, t.seed)
+  start = 0
+  if resume:
+    restored = checkpoint.restore_latest(mngr, state, cfg)
+    if restored is not None:
+      start, state, meta = restored
+      ds.train_iter.set_state(meta['data_iter'])
+  state = place_state(state, mesh)
+  with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config_dict(cfg), f, indent=1)
+  accum = accum_steps(cfg)
+  step_fn = make_train_step(graphdef, cfg, mesh)
+  eval_step = make_eval_step(graphdef, cfg)
+  val = ds.val_batches(t.eval_batches)
+  depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
+  writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
+  peak = measure_matmul_peak(1024 if jax.default_backend() == 'cpu' else 8192)
+  flops_tok = train_flops_per_token(cfg)
+  tokens_step = accum * t.batch_size * t.seq_len
+  meta = lambda: {'config': config_dict(cfg), 'data_iter': ds.train_iter.get_state()}
+  bar = metrics.progress(t.steps, start, disable=quiet or None)
+  skips, last, last_step, summary = 0, wall_clock(), start, {}
+  print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
+        f'{ds.describe()}, {tokens_step} tokens/step, steps {start}->{t.steps}', flush=True)
+  with _Preemption() as pre:
+    for step in range(start, t.steps):
+      batch = shard_batch([next(ds.train_iter) for _ in range(accum)], mesh, accum)
+      state, m = step_fn(state, batch)
+      m = jax.device_get(m)
+      if not m['finite']:
+        if NanPolicy(t.nan_policy) == NanPolicy.STOP or skips >= t.max_skips:
+          mngr.wait_until_finished()
+          raise NonFiniteError(
+              f'non-finite loss/gradient at step {step} (loss={m["loss"]}, grad_norm='
+              f'{m["grad_norm"]}); last good checkpoint: {mngr.latest_step()}')
+        skips += 1
+      done = step + 1
+      if step == start:  # exclude compilation from the throughput
+        last, last_step = wall_clock(), done
+      elif done % t.log_every == 0 or done == t.steps:
+        now = wall_clock()
+        tps = (done - last_step) * tokens_step / max(now - last, 1e-9)
+        last, last_step = now, done
+        rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'],
+                   tokens_per_s=tps, mfu=tps * flops_tok / peak, skipped=skips,
+                   lr=float(lr_schedule(cfg)(step)))
+        writer.write(done, rec, 'train/')
+        bar.set_postfix(loss=f'{m["loss"]:.3f}', r=int(m['depth']), tok_s=f'{tps:,.0f}')
+      bar.update(1)
+      if done % t.eval_every == 0 or done == t.steps:
+        losses = evaluate(eval_step, state.params, val, depths)
+        writer.write(done, {f'loss_r{d}': v for d, v in losses.items()}, 'val/')
+        summary = {'step': done, 'val_loss': losses}
+      if done % t.ckpt_every == 0 or done == t.steps or pre.signum is not None:
+        checkpoint.save(mngr, done, state, meta(), force=True)
+      if pre.signum is not None:
+        mngr.wait_until_finished()
+        print(f'\npreempted by signal {pre.signum}: saved step {done}, exiting', flush=True)
+        summary['preempted_at'] = done
+        break
+  bar.close()
+  mngr.wait_until_finished()
+  writer.close()
+  summary.update(skipped=skips, last_step=int(state.step))
+  with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
+    json.dump(summary, f, indent=1)
+  return summary

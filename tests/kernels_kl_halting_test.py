@@ -37,7 +37,8 @@ def to_f64(x):
   return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-def make_inputs(seed, n, d, v, *, logit_scale=1.0, delta=0.3, dtype=jnp.float32):
+def make_inputs(seed, n, d, v, *, logit_scale=1.0, delta=0.3,
+                dtype=jnp.float32):
   """Random h, hprev = h + delta * noise, w with logits of std ~logit_scale."""
   rng = np.random.default_rng(seed)
   h_NxD = rng.normal(size=(n, d))
@@ -228,3 +229,25 @@ def test_compiled_gpu(dtype):
   np.testing.assert_allclose(lse_N, want_lse, rtol=1e-3, atol=1e-3)
   kl_auto_N, _, _ = klh.kl_halting_auto(h, hprev, w, use_kernel=True)
   np.testing.assert_allclose(kl_auto_N, kl_N, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('n,d,v,block_d', [(8192, 576, 49152, 64),
+                                           (300, 128, 1000, None)])
+def test_triton_lowering_without_gpu(n, d, v, block_d):
+  # Lowers (does not compile) the kernel for CUDA through Triton: catches
+  # non-power-of-two tiles and primitives Triton cannot lower, on any host.
+  params = klh.pltriton.CompilerParams(num_warps=8, num_stages=2)
+  specs = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16),) * 2 + (
+      jax.ShapeDtypeStruct((v, d), jnp.bfloat16),)
+  fn = jax.jit(lambda h, hprev, w: klh.kl_halting(
+      h, hprev, w, block_n=64, block_v=128, block_d=block_d,
+      compiler_params=params))
+  try:
+    lowered = fn.trace(*specs).lower(lowering_platforms=('cuda',))
+  except ImportError as e:  # jaxlib without the Triton dialect
+    pytest.skip(f'no Triton lowering in this jaxlib: {e}')
+  assert 'triton' in lowered.as_text().lower()
+  logits_spec = jax.ShapeDtypeStruct((n, v), jnp.float32)
+  jax.jit(lambda a, b: klh.kl_from_logits(
+      a, b, compiler_params=params)).trace(logits_spec, logits_spec).lower(
+          lowering_platforms=('cuda',))

@@ -1,4 +1,4 @@
-"""Fused KL(p_i || p_{i-1}) halting statistic over the LM head, without [N, V] logits.
+"""Fused KL(p_i || p_{i-1}) halting statistic over the LM head, no [N, V].
 
 Notation: N tokens, D model dim, V vocab. For hidden states h, hprev [N, D] and
 the LM head w [V, D]:
@@ -11,9 +11,10 @@ The Pallas kernel runs one program per token block and loops over vocab tiles
 inside the kernel (`lax.fori_loop` over `pl.ds` slices of a full-V block of w),
 so only a [block_n, block_v] pair of logit tiles is ever live. Per token it
 keeps running maxima m_a, m_b, rescaled sums s_a = sum exp(a - m_a),
-s_b = sum exp(b - m_b), a cross term t = sum exp(a - m_a) ((a - m_a) - (b - m_b))
-and the running argmax of a. Writing KL with the shifted logits cancels the
-(m_a - m_b) offsets analytically:
+s_b = sum exp(b - m_b), a cross term
+t = sum exp(a - m_a) ((a - m_a) - (b - m_b)) and the running argmax of a.
+Writing KL with the shifted logits cancels the (m_a - m_b) offsets
+analytically:
 
   KL = t / s_a - log s_a + log s_b
 
@@ -35,6 +36,7 @@ import functools
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 _F32 = jnp.float32
@@ -70,12 +72,18 @@ def reference_kl_from_logits(a_NxV, b_NxV):
   """
   a_NxV = a_NxV.astype(_F32)
   b_NxV = b_NxV.astype(_F32)
-  lse_a_N = jax.nn.logsumexp(a_NxV, axis=-1)
-  lse_b_N = jax.nn.logsumexp(b_NxV, axis=-1)
-  logp_NxV = a_NxV - lse_a_N[:, None]
-  logq_NxV = b_NxV - lse_b_N[:, None]
-  kl_N = jnp.sum(jnp.exp(logp_NxV) * (logp_NxV - logq_NxV), axis=-1)
+  # Work with max-shifted logits so that log p - log q never subtracts two
+  # large lse values (|logits| ~1e4 would otherwise cost ~1e-3 absolute).
+  m_a_N = jnp.max(a_NxV, axis=-1)
+  sa_NxV = a_NxV - m_a_N[:, None]
+  sb_NxV = b_NxV - jnp.max(b_NxV, axis=-1, keepdims=True)
+  log_s_a_N = jnp.log(jnp.sum(jnp.exp(sa_NxV), axis=-1))
+  log_s_b_N = jnp.log(jnp.sum(jnp.exp(sb_NxV), axis=-1))
+  p_NxV = jnp.exp(sa_NxV - log_s_a_N[:, None])
+  kl_N = (jnp.sum(p_NxV * (sa_NxV - sb_NxV), axis=-1)
+          - log_s_a_N + log_s_b_N)
   kl_N = jnp.maximum(kl_N, 0.0)
+  lse_a_N = m_a_N + log_s_a_N
   argmax_N = jnp.argmax(a_NxV, axis=-1).astype(jnp.int32)
   return kl_N, argmax_N, lse_a_N
 
@@ -186,6 +194,7 @@ def _run_vocab_loop(tile_fn, block_n, block_v, num_v_tiles, num_valid_v):
 
 
 def _store(outs, kl_ref, argmax_ref, lse_ref):
+  """Writes the per-token results of one token block."""
   kl_N, argmax_N, lse_N = outs
   kl_ref[...] = kl_N
   argmax_ref[...] = argmax_N
@@ -193,11 +202,24 @@ def _store(outs, kl_ref, argmax_ref, lse_ref):
 
 
 def _out_shapes_specs(n_pad, block_n):
+  """Output shapes and [block_n] BlockSpecs of (kl, argmax, lse)."""
   shapes = (jax.ShapeDtypeStruct((n_pad,), _F32),
             jax.ShapeDtypeStruct((n_pad,), jnp.int32),
             jax.ShapeDtypeStruct((n_pad,), _F32))
   spec = pl.BlockSpec((block_n,), lambda i: (i,))
   return shapes, (spec, spec, spec)
+
+
+def _default_compiler_params(compiler_params, interpret):
+  """Triton (not Mosaic GPU, the GPU default) unless params were given.
+
+  Mosaic GPU stages every BlockSpec block in shared memory, which the full-V
+  block of w cannot fit; Triton treats blocks as pointers into HBM.
+  """
+  if (compiler_params is None and not interpret
+      and jax.default_backend() == 'gpu'):
+    return pltriton.CompilerParams(num_warps=8, num_stages=2)
+  return compiler_params
 
 
 def _clip_block(block, size):
@@ -259,12 +281,13 @@ def kl_halting(h_NxD, hprev_NxD, w_VxD, *, block_n=64, block_v=128,
       multiple of it and the result sliced back. Clipped for small N.
     block_v: vocab tile per loop step (power of two for GPU); padded vocab
       columns are masked to -inf. Clipped for small V.
-    block_d: contraction chunk; None uses the whole D in one dot. On GPU (Triton)
-      a D that is not a power of two (e.g. 576) needs a power-of-two block_d
-      (e.g. 64); D is then zero-padded to a multiple of it.
+    block_d: contraction chunk; None uses the whole D in one dot. On GPU
+      (Triton) a D that is not a power of two (e.g. 576) needs a power-of-two
+      block_d (e.g. 64); D is then zero-padded to a multiple of it.
     interpret: run the Pallas interpreter (required on CPU).
-    compiler_params: optional backend compiler params passed to pallas_call
-      (e.g. `pallas.triton.CompilerParams(num_warps=4, num_stages=2)`).
+    compiler_params: optional backend compiler params passed to pallas_call;
+      None on GPU means `pallas.triton.CompilerParams(num_warps=8,
+      num_stages=2)` (the Triton backend, not Mosaic GPU).
 
   Returns:
     (kl_N float32 >= 0, argmax_N int32 of p's logits (first index on ties),
@@ -314,7 +337,7 @@ def kl_halting(h_NxD, hprev_NxD, w_VxD, *, block_n=64, block_v=128,
       in_specs=[h_spec, h_spec, w_spec],
       out_specs=out_specs,
       interpret=interpret,
-      compiler_params=compiler_params,
+      compiler_params=_default_compiler_params(compiler_params, interpret),
       cost_estimate=cost,
       name='kl_halting',
   )(h_NxD, hprev_NxD, w_VxD)
@@ -344,7 +367,7 @@ def _kl_from_logits_kernel(a_ref, b_ref, kl_ref, argmax_ref, lse_ref, *,
                               'compiler_params'))
 def kl_from_logits(a_NxV, b_NxV, *, block_n=64, block_v=128, interpret=False,
                    compiler_params=None):
-  """Pallas KL(softmax(a) || softmax(b)) over precomputed logits, streamed over V.
+  """Pallas KL(softmax(a) || softmax(b)) over precomputed logits, V streamed.
 
   Args:
     a_NxV: logits of p, [N, V] (fp32 or bf16; math in fp32).
@@ -353,7 +376,8 @@ def kl_from_logits(a_NxV, b_NxV, *, block_n=64, block_v=128, interpret=False,
     block_v: vocab tile per loop step (power of two for GPU). Clipped for
       small V. Arrays are padded (copied) when V is not a multiple of it.
     interpret: run the Pallas interpreter (required on CPU).
-    compiler_params: optional backend compiler params passed to pallas_call.
+    compiler_params: optional backend compiler params passed to pallas_call;
+      None on GPU selects Triton as in `kl_halting`.
 
   Returns:
     (kl_N float32 >= 0, argmax_N int32 of a (first index on ties), lse_N
@@ -384,7 +408,7 @@ def kl_from_logits(a_NxV, b_NxV, *, block_n=64, block_v=128, interpret=False,
       in_specs=[in_spec, in_spec],
       out_specs=out_specs,
       interpret=interpret,
-      compiler_params=compiler_params,
+      compiler_params=_default_compiler_params(compiler_params, interpret),
       name='kl_from_logits',
   )(pad(a_NxV), pad(b_NxV))
   return kl_N[:n], argmax_N[:n], lse_N[:n]

@@ -1,0 +1,215 @@
+"""Benchmark the fused KL halting kernel against the unfused XLA reference.
+
+Usage: python -m experiments.bench_kl [--shapes=8192x576x49152,...]
+
+Per shape (N tokens x D model dim x V vocab) it reports the median wall time
+and the compiled memory analysis (argument / output / temp bytes) of both
+paths, plus the size of the [N, V] logits the reference materialises. On GPU
+it also reports the fraction of the FLOP floor (2 * 2 * N * D * V flops) and
+of the HBM bandwidth floor reached. On CPU the Pallas kernel only runs in
+interpret mode, which proves correctness but says nothing about speed: the
+kernel is timed only at small shapes there, and the reference only up to
+--cpu_max_gflop.
+"""
+
+import json
+import os
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elastic_depth.kernels import kl_halting as klh
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('out', 'runs/bench_kl.json', 'Output JSON path.')
+flags.DEFINE_list('shapes', ['8192x576x49152', '1024x576x49152',
+                             '256x576x8192'],
+                  'Comma-separated NxDxV shapes (paper shape first).')
+flags.DEFINE_integer('repeats', 5, 'Timed repetitions per measurement.')
+flags.DEFINE_enum('dtype', 'auto', ['auto', 'float32', 'bfloat16'],
+                  'Input dtype of h / w; auto = bfloat16 on GPU, else float32.')
+flags.DEFINE_integer('block_n', 0, 'Token block; 0 = backend default.')
+flags.DEFINE_integer('block_v', 0, 'Vocab tile; 0 = backend default.')
+flags.DEFINE_integer('block_d', 0, 'Contraction chunk; 0 = backend default.')
+flags.DEFINE_float('peak_tflops', 989.0,
+                   'Dense matmul peak of the accelerator for the FLOP floor '
+                   '(H100/H200 SXM bf16: 989; use ~495 for fp32 via TF32).')
+flags.DEFINE_float('peak_gbps', 4800.0,
+                   'HBM bandwidth for the bandwidth floor (H200: 4800 GB/s).')
+flags.DEFINE_float('cpu_max_gflop', 150.0,
+                   'On CPU, time the reference only below this many GFLOP.')
+flags.DEFINE_float('cpu_kernel_max_gflop', 5.0,
+                   'On CPU, time the interpreted kernel only below this.')
+
+
+def parse_shape(text):
+  """'NxDxV' -> (N, D, V)."""
+  n, d, v = (int(x) for x in text.lower().split('x'))
+  return n, d, v
+
+
+def memory_stats(compiled):
+  """Compiled memory analysis in bytes, or None where the backend has none."""
+  try:
+    mem = compiled.memory_analysis()
+  except Exception as e:  # pylint: disable=broad-except
+    return {'error': repr(e)}
+  if mem is None:
+    return None
+  keys = ('argument_size_in_bytes', 'output_size_in_bytes',
+          'temp_size_in_bytes', 'generated_code_size_in_bytes')
+  return {k: int(getattr(mem, k)) for k in keys if hasattr(mem, k)}
+
+
+def time_fn(fn, args, repeats):
+  """Median / min wall seconds of fn(*args) after one warm-up call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return {'median_s': statistics.median(times), 'min_s': min(times),
+          'repeats': repeats}
+
+
+def make_inputs(n, d, v, dtype, seed=0):
+  """h, hprev = h + noise, w with unit-scale logits."""
+  k_h, k_p, k_w = jax.random.split(jax.random.PRNGKey(seed), 3)
+  h_NxD = jax.random.normal(k_h, (n, d), jnp.float32)
+  hprev_NxD = h_NxD + 0.3 * jax.random.normal(k_p, (n, d), jnp.float32)
+  w_VxD = jax.random.normal(k_w, (v, d), jnp.float32) * (3.0 / np.sqrt(d))
+  return h_NxD.astype(dtype), hprev_NxD.astype(dtype), w_VxD.astype(dtype)
+
+
+def roofline(n, d, v, dtype, seconds):
+  """Fractions of the FLOP and bandwidth floors reached in `seconds`."""
+  flops = 2 * 2 * n * d * v
+  itemsize = jnp.dtype(dtype).itemsize
+  min_bytes = itemsize * (2 * n * d + v * d) + 3 * 4 * n
+  flop_floor_s = flops / (FLAGS.peak_tflops * 1e12)
+  bw_floor_s = min_bytes / (FLAGS.peak_gbps * 1e9)
+  return {
+      'achieved_tflops': flops / seconds / 1e12,
+      'flop_floor_s': flop_floor_s,
+      'bandwidth_floor_s': bw_floor_s,
+      'frac_of_flop_floor': flop_floor_s / seconds,
+      'frac_of_bandwidth_floor': bw_floor_s / seconds,
+      'frac_of_roofline': max(flop_floor_s, bw_floor_s) / seconds,
+  }
+
+
+def bench_shape(n, d, v, dtype, blocks, on_gpu):
+  """Measures both paths at one shape; returns a JSON-able dict."""
+  gflop = 2 * 2 * n * d * v / 1e9
+  row = {'shape': {'N': n, 'D': d, 'V': v}, 'gflop': gflop,
+         'naive_logits_bytes': 2 * n * v * 4}
+  specs = (jax.ShapeDtypeStruct((n, d), dtype),
+           jax.ShapeDtypeStruct((n, d), dtype),
+           jax.ShapeDtypeStruct((v, d), dtype))
+  ref_fn = jax.jit(klh.reference_kl_halting)
+
+  def kernel_fn(h, hprev, w):
+    return klh.kl_halting(h, hprev, w, interpret=not on_gpu, **blocks)
+
+  kernel_fn = jax.jit(kernel_fn)
+  ref = {'memory': memory_stats(ref_fn.lower(*specs).compile())}
+  ker = {'memory': memory_stats(kernel_fn.lower(*specs).compile()),
+         'interpret': not on_gpu}
+  if not on_gpu:
+    ker['memory_note'] = ('interpret-mode emulation (copies the W block per '
+                          'grid step); not the GPU kernel footprint')
+
+  time_ref = on_gpu or gflop <= FLAGS.cpu_max_gflop
+  time_ker = on_gpu or gflop <= FLAGS.cpu_kernel_max_gflop
+  if time_ref or time_ker:
+    args = make_inputs(n, d, v, dtype)
+    if time_ref:
+      ref['time'] = time_fn(ref_fn, args, FLAGS.repeats)
+    else:
+      ref['time'] = 'skipped on CPU (above --cpu_max_gflop)'
+    if time_ker:
+      ker['time'] = time_fn(kernel_fn, args, FLAGS.repeats)
+      got = kernel_fn(*args)
+      want = ref_fn(*args)
+      ker['max_abs_err_kl'] = float(jnp.max(jnp.abs(got[0] - want[0])))
+      ker['max_abs_err_lse'] = float(jnp.max(jnp.abs(got[2] - want[2])))
+      ker['argmax_agree'] = float(jnp.mean(got[1] == want[1]))
+      if not on_gpu:
+        ker['time_note'] = 'interpret mode: correctness only, not speed'
+    else:
+      ker['time'] = ('skipped on CPU: interpret mode proves correctness only '
+                     '(timed at small shapes)')
+    del args
+  else:
+    ref['time'] = 'skipped on CPU (above --cpu_max_gflop)'
+    ker['time'] = ('skipped on CPU: interpret mode proves correctness only '
+                   '(timed at small shapes)')
+  for part in (ref, ker):
+    if on_gpu and isinstance(part.get('time'), dict):
+      part['roofline'] = roofline(n, d, v, dtype, part['time']['median_s'])
+  if (on_gpu and isinstance(ref.get('time'), dict)
+      and isinstance(ker.get('time'), dict)):
+    row['speedup_kernel_vs_ref'] = (ref['time']['median_s']
+                                    / ker['time']['median_s'])
+  row['reference'] = ref
+  row['kernel'] = ker
+  return row
+
+
+def main(argv):
+  del argv
+  backend = jax.default_backend()
+  on_gpu = backend == 'gpu'
+  dtype_name = FLAGS.dtype
+  if dtype_name == 'auto':
+    dtype_name = 'bfloat16' if on_gpu else 'float32'
+  dtype = jnp.dtype(dtype_name)
+  results = []
+  for text in FLAGS.shapes:
+    n, d, v = parse_shape(text)
+    if on_gpu:
+      blocks = {'block_n': FLAGS.block_n or 64, 'block_v': FLAGS.block_v or 128,
+                'block_d': FLAGS.block_d or klh.gpu_block_d(d)}
+    else:  # big blocks keep the interpreter's grid and loop short
+      blocks = {'block_n': FLAGS.block_n or 256,
+                'block_v': FLAGS.block_v or 2048,
+                'block_d': FLAGS.block_d or None}
+    t0 = time.perf_counter()
+    row = bench_shape(n, d, v, dtype, blocks, on_gpu)
+    row['blocks'] = blocks
+    row['bench_wall_s'] = time.perf_counter() - t0
+    print(json.dumps(row))
+    results.append(row)
+  report = {
+      'backend': backend,
+      'device_kind': jax.devices()[0].device_kind,
+      'jax_version': jax.__version__,
+      'dtype': dtype_name,
+      'repeats': FLAGS.repeats,
+      'peak_tflops': FLAGS.peak_tflops if on_gpu else None,
+      'peak_gbps': FLAGS.peak_gbps if on_gpu else None,
+      'note': ('GPU: compiled Pallas (Triton) kernel vs jitted reference.'
+               if on_gpu else
+               'CPU: Pallas runs in interpret mode only, so kernel timings '
+               'prove nothing about speed; the kernel is timed only at small '
+               'shapes (correctness check), skipped at big shapes, and its '
+               'memory analysis is of the interpreter. Reference timed up to '
+               '--cpu_max_gflop; memory analyses come from compilation only.'),
+      'results': results,
+  }
+  out_dir = os.path.dirname(FLAGS.out)
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+  with open(FLAGS.out, 'w') as f:
+    json.dump(report, f, indent=2)
+  print(f'wrote {FLAGS.out}')
+
+
+if __name__ == '__main__':
+  app.run(main)

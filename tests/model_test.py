@@ -1,0 +1,340 @@
+"""Tests for elastic_depth.model against float64 numpy references written here."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import model as model_lib
+from elastic_depth import train as train_lib
+
+# ----------------------------------------------------------------------------
+# Float64 numpy reference of the architecture (written from the module docstring).
+
+
+def f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def np_rmsnorm(x_BxLxD, scale_D, eps):
+  x = np.asarray(x_BxLxD, np.float64)
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale_D
+
+
+def np_rope(x_BxLxHxK, pos_BxL, theta):
+  """Rotate the pair (i, i + K/2) by the angle pos * theta^(-2i/K)."""
+  x = np.asarray(x_BxLxHxK, np.float64)
+  k = x.shape[-1]
+  half = k // 2
+  out = np.empty_like(x)
+  for i in range(half):
+    ang_BxLx1 = (np.asarray(pos_BxL, np.float64) * theta ** (-2.0 * i / k))[:, :, None]
+    c, s = np.cos(ang_BxLx1), np.sin(ang_BxLx1)
+    out[..., i] = x[..., i] * c - x[..., i + half] * s
+    out[..., i + half] = x[..., i + half] * c + x[..., i] * s
+  return out
+
+
+def np_attention(x_BxLxD, p, pos_BxL, theta):
+  """Causal GQA: query head h reads kv head h // (H / G). Returns (out, (k, v))."""
+  wq, wk, wv, wo = p['wq'], p['wk'], p['wv'], p['wo']
+  b, l, _ = x_BxLxD.shape
+  h, kd = wq.shape[1], wq.shape[2]
+  g = wk.shape[1]
+  q = np_rope(np.einsum('bld,dhk->blhk', x_BxLxD, wq), pos_BxL, theta)
+  k = np_rope(np.einsum('bld,dgk->blgk', x_BxLxD, wk), pos_BxL, theta)
+  v = np.einsum('bld,dgk->blgk', x_BxLxD, wv)
+  o = np.zeros((b, l, h, kd))
+  for bi in range(b):
+    for hi in range(h):
+      gi = hi // (h // g)
+      for t in range(l):
+        scores = np.array([q[bi, t, hi] @ k[bi, j, gi] for j in range(t + 1)])
+        scores /= np.sqrt(kd)
+        w = np.exp(scores - scores.max())
+        w /= w.sum()
+        o[bi, t, hi] = sum(w[j] * v[bi, j, gi] for j in range(t + 1))
+  return np.einsum('blhk,hkd->bld', o, wo), (k, v)
+
+
+def np_mlp(x_BxLxD, p):
+  gate = x_BxLxD @ p['gate']
+  silu = gate / (1.0 + np.exp(-gate))
+  return (silu * (x_BxLxD @ p['up'])) @ p['down']
+
+
+def np_block(x, p, pos, theta, eps):
+  a, _ = np_attention(np_rmsnorm(x, p['n1'], eps), p['attn'], pos, theta)
+  x = np_rmsnorm(x + a, p['n2'], eps)
+  return np_rmsnorm(x + np_mlp(np_rmsnorm(x, p['n3'], eps), p['mlp']), p['n4'], eps)
+
+
+def attn_params(attn):
+  return dict(wq=f64(attn.wq_DxHxK[...]), wk=f64(attn.wk_DxGxK[...]),
+              wv=f64(attn.wv_DxGxK[...]), wo=f64(attn.wo_HxKxD[...]))
+
+
+def mlp_params(mlp):
+  return dict(gate=f64(mlp.w_gate_DxF[...]), up=f64(mlp.w_up_DxF[...]),
+              down=f64(mlp.w_down_FxD[...]))
+
+
+def block_params(block):
+  return dict(n1=f64(block.norm1.scale[...]), n2=f64(block.norm2.scale[...]),
+              n3=f64(block.norm3.scale[...]), n4=f64(block.norm4.scale[...]),
+              attn=attn_params(block.attn), mlp=mlp_params(block.mlp))
+
+
+def np_looped_lm(mdl, tokens_BxL, s0_BxLxD, r):
+  """Logits of the whole LM: embed, prelude, r core loops with re-injection, coda, head."""
+  cfg = mdl.cfg
+  th, eps = cfg.rope_theta, cfg.norm_eps
+  pos = np.broadcast_to(np.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
+  emb = f64(mdl.embed_VxD[...])
+  e = emb[np.asarray(tokens_BxL)]
+  for blk in mdl.prelude:
+    e = np_block(e, block_params(blk), pos, th, eps)
+  s = f64(s0_BxLxD)
+  adapter = f64(mdl.adapter_2DxD[...])
+  for _ in range(r):
+    s = np.concatenate([s, e], axis=-1) @ adapter
+    for blk in mdl.core:
+      s = np_block(s, block_params(blk), pos, th, eps)
+  for blk in mdl.coda:
+    s = np_block(s, block_params(blk), pos, th, eps)
+  h = np_rmsnorm(s, f64(mdl.final_norm.scale[...]), eps)
+  head = emb if cfg.tie_embeddings else f64(mdl.head_VxD[...])
+  return h @ head.T
+
+
+def randomise(module, seed, std=0.3):
+  """Replaces every parameter by N(0, std^2) (scales of 1 + N(0, std^2) for norms)."""
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.iter_graph(module):
+    if isinstance(var, nnx.Param):
+      shape = var[...].shape
+      if path[-1] == 'scale':
+        var[...] = jnp.asarray(1.0 + std * rng.normal(size=shape), jnp.float32)
+      else:
+        fan_in = shape[0]
+        var[...] = jnp.asarray(rng.normal(size=shape) / np.sqrt(fan_in), jnp.float32)
+
+
+def assert_close(got, want, rtol=2e-5):
+  """Float32 result against a float64 reference, absolute tolerance on the output scale."""
+  want = np.asarray(want, np.float64)
+  np.testing.assert_allclose(f64(got), want, rtol=rtol,
+                             atol=rtol * max(np.abs(want).max(), 1e-30))
+
+
+# ----------------------------------------------------------------------------
+# Layers.
+
+
+def test_rmsnorm_matches_numpy(model_cfg):
+  norm = model_lib.RMSNorm(model_cfg)
+  rng = np.random.default_rng(0)
+  scale = 1.0 + 0.5 * rng.normal(size=model_cfg.d_model)
+  norm.scale[...] = jnp.asarray(scale, jnp.float32)
+  x = rng.normal(size=(2, 5, model_cfg.d_model)) * np.array([[[1e-2]], [[30.0]]])
+  got = norm(jnp.asarray(x, jnp.float32))
+  assert got.dtype == jnp.float32
+  assert_close(got, np_rmsnorm(f64(x.astype(np.float32)), f64(scale.astype(np.float32)),
+                               model_cfg.norm_eps))
+
+
+def test_rope_matches_numpy_and_is_relative():
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(2, 6, 3, 16)).astype(np.float32)
+  pos = np.stack([np.arange(6), rng.integers(0, 1000, 6)]).astype(np.int32)
+  got = model_lib.rope(jnp.asarray(x), jnp.asarray(pos), 10000.0)
+  assert_close(got, np_rope(x, pos, 10000.0), rtol=1e-5)
+  # A rotation: norms are kept, and <rope(q, m), rope(k, n)> depends on m - n only.
+  np.testing.assert_allclose(np.linalg.norm(f64(got), axis=-1),
+                             np.linalg.norm(f64(x), axis=-1), rtol=1e-5)
+  q = jnp.asarray(np.broadcast_to(x[:1, :1], (1, 6, 3, 16)))
+  k = jnp.asarray(np.broadcast_to(x[1:, :1], (1, 6, 3, 16)))
+  p0 = jnp.arange(6, dtype=jnp.int32)[None]
+  dots = [jnp.einsum('blhk,blhk->blh', model_lib.rope(q, p0 + off, 500.0),
+                     model_lib.rope(k, p0 + off + 3, 500.0)) for off in (0, 17, 250)]
+  np.testing.assert_allclose(f64(dots[0]), f64(dots[1]), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(f64(dots[0]), f64(dots[2]), rtol=1e-4, atol=1e-4)
+
+
+def test_attention_matches_numpy_gqa(model_cfg):
+  cfg = dataclasses.replace(model_cfg, num_heads=6, num_kv_heads=2)  # 3 queries per kv head
+  attn = model_lib.Attention(cfg, nnx.Rngs(0))
+  randomise(attn, 2)
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(2, 7, cfg.d_model)).astype(np.float32)
+  pos = np.stack([np.arange(7), 11 + np.arange(7)]).astype(np.int32)
+  out, (k, v) = attn(jnp.asarray(x), jnp.asarray(pos))
+  want, (wk, wv) = np_attention(f64(x), attn_params(attn), pos, cfg.rope_theta)
+  assert_close(out, want)
+  assert_close(k, wk)
+  assert_close(v, wv)
+  # The test is only meaningful if the heads differ: mapping query heads to the
+  # wrong kv head (h % G instead of h // (H/G)) must change the result.
+  p = attn_params(attn)
+  p_wrong = dict(p, wk=p['wk'][:, [1, 0]], wv=p['wv'][:, [1, 0]])
+  wrong, _ = np_attention(f64(x), p_wrong, pos, cfg.rope_theta)
+  assert np.abs(wrong - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_attention_explicit_causal_mask_via_kv_fn(model_cfg):
+  attn = model_lib.Attention(model_cfg, nnx.Rngs(0))
+  randomise(attn, 4)
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 6, model_cfg.d_model)),
+                  jnp.float32)
+  pos = model_lib.positions(jnp.zeros((2, 6), jnp.int32))
+  mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+  out_mask, _ = attn(x, pos, lambda k, v: (k, v, mask))
+  out_causal, _ = attn(x, pos)
+  np.testing.assert_allclose(np.asarray(out_mask), np.asarray(out_causal), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_mlp_matches_numpy(model_cfg):
+  mlp = model_lib.MLP(model_cfg, nnx.Rngs(0))
+  randomise(mlp, 6)
+  x = np.random.default_rng(7).normal(size=(2, 5, model_cfg.d_model)).astype(np.float32)
+  assert_close(mlp(jnp.asarray(x)), np_mlp(f64(x), mlp_params(mlp)))
+
+
+def test_block_matches_numpy(model_cfg):
+  block = model_lib.Block(model_cfg, nnx.Rngs(0))
+  randomise(block, 8)
+  x = np.random.default_rng(9).normal(size=(2, 6, model_cfg.d_model)).astype(np.float32)
+  pos = np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6))
+  out, _ = block(jnp.asarray(x), jnp.asarray(pos))
+  assert_close(out, np_block(f64(x), block_params(block), pos, model_cfg.rope_theta,
+                             model_cfg.norm_eps), rtol=5e-5)
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_whole_looped_lm_matches_numpy(make_config, tie):
+  cfg = make_config(model=dict(tie_embeddings=tie))
+  mdl = train_lib.build_model(cfg, seed=1)
+  randomise(mdl, 10)
+  tokens = jnp.asarray(np.random.default_rng(11).integers(0, 64, (2, 6)), jnp.int32)
+  key = jax.random.key(3)
+  idx = 2  # depth cfg.depth.buckets[2] = 3
+  got = jax.jit(lambda m, t, i: train_lib.forward_bucket(m, t, i, key, cfg))(
+      mdl, tokens, jnp.int32(idx))
+  s0 = mdl.initial_state(jnp.zeros((2, 6, cfg.model.d_model)), key)
+  want = np_looped_lm(mdl, np.asarray(tokens), s0, cfg.depth.buckets[idx])
+  assert got.shape == (2, 6, cfg.model.vocab_size) and got.dtype == jnp.float32
+  assert_close(got, want, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# Causality of the whole looped LM.
+
+
+def test_loss_at_t_has_zero_gradient_wrt_later_positions(model_cfg):
+  mdl = model_lib.LoopedLM(model_cfg, nnx.Rngs(0))
+  randomise(mdl, 12)
+  b, l, r = 2, 8, 3
+  rng = np.random.default_rng(13)
+  tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (b, l)), jnp.int32)
+  targets = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (b, l)), jnp.int32)
+  pos = model_lib.positions(tokens)
+  x0 = jnp.take(mdl.embed_VxD[...], tokens, axis=0)
+  s0 = mdl.initial_state(x0, jax.random.key(0))
+
+  def nll_per_position(x_BxLxD):
+    e, _ = model_lib._run_blocks(mdl.prelude, x_BxLxD, pos, None)  # pylint: disable=protected-access
+    s = s0
+    for _ in range(r):
+      s, _ = mdl.core_step(s, e, pos)
+    logits = mdl.logits(mdl.decode_state(s, pos)[0])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+  # The embedding-level forward is the model's own forward.
+  mdl_loss = -jnp.take_along_axis(jax.nn.log_softmax(train_lib.forward_bucket(
+      mdl, tokens, 2, jax.random.key(0), train_lib.Config(
+          depth=train_lib.Config().depth.__class__(buckets=(1, 2, 3), r_max=3)))),
+                                  targets[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(np.asarray(nll_per_position(x0)), np.asarray(mdl_loss),
+                             rtol=1e-5)
+
+  jac = np.asarray(jax.jit(jax.jacrev(nll_per_position))(x0))  # [B, L, B, L, D]
+  mag = np.abs(jac).max(axis=-1)  # [B, L, B, L]
+  for bi in range(b):
+    for t in range(l):
+      for bj in range(b):
+        for u in range(l):
+          if bj != bi or u > t:
+            assert mag[bi, t, bj, u] == 0.0, (bi, t, bj, u)
+          else:
+            assert mag[bi, t, bj, u] > 0.0, (bi, t, bj, u)
+
+
+# ----------------------------------------------------------------------------
+# Parameter and FLOP counts.
+
+PAPER = dict(vocab_size=49152, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
+             mlp_dim=1536, n_prelude=2, n_core=4, n_coda=2)
+
+
+def hand_param_count(d, h, g, k, f, v, n_blocks, tied):
+  attention = d * h * k + 2 * d * g * k + h * k * d   # q, k, v, o
+  mlp = 3 * d * f                                     # gate, up, down
+  norms = 4 * d                                       # sandwich norms
+  block = attention + mlp + norms
+  return (n_blocks * block + v * d + 2 * d * d + d     # blocks, embed, adapter, final norm
+          + (0 if tied else v * d))
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_count_params_paper_shape_is_abstract(monkeypatch, tied):
+  cfg = dataclasses.replace(model_lib.ModelConfig(), tie_embeddings=tied, **PAPER)
+  created = []
+  real = jax.random.truncated_normal
+
+  def spy(*args, **kwargs):
+    out = real(*args, **kwargs)
+    created.append(isinstance(out, jax.core.Tracer))
+    return out
+
+  monkeypatch.setattr(jax.random, 'truncated_normal', spy)
+  n = model_lib.count_params(cfg)
+  want = hand_param_count(576, 9, 3, 64, 1536, 49152, 8, tied)
+  assert n == want
+  assert abs(n - (57.3e6 if tied else 85.6e6)) < 0.05e6
+  assert created and all(created), 'count_params materialised parameters'
+
+
+def test_count_params_equals_allocated_tiny(model_cfg):
+  for tied in (True, False):
+    cfg = dataclasses.replace(model_cfg, tie_embeddings=tied)
+    _, params = nnx.split(model_lib.LoopedLM(cfg, nnx.Rngs(0)), nnx.Param)
+    allocated = sum(x.size for x in jax.tree.leaves(params))
+    assert model_lib.count_params(cfg) == allocated
+    assert allocated == hand_param_count(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
+                                         cfg.head_dim, cfg.mlp_dim, cfg.vocab_size,
+                                         cfg.n_prelude + cfg.n_core + cfg.n_coda, tied)
+
+
+def test_flops_per_token_hand_count(model_cfg):
+  cfg = dataclasses.replace(model_cfg, num_heads=6, num_kv_heads=3, n_prelude=2,
+                            n_core=3, n_coda=1)
+  d, h, g, k, f, v = 32, 6, 3, 8, 64, 64
+  seq = 16
+  mm = lambda fan_in, fan_out: 2 * fan_in * fan_out  # multiply-adds of x @ W per token
+  per_block = (mm(d, h * k) + mm(d, g * k) + mm(d, g * k) + mm(h * k, d)  # q, k, v, o
+               + mm(d, f) + mm(d, f) + mm(f, d)                           # SwiGLU
+               + 2 * (2 * h * k * seq / 2))      # q.k and p.v over L/2 keys on average
+  head = mm(d, v)
+  for r in (1, 2.5, 7):
+    got = model_lib.flops_per_token(cfg, r, seq)
+    assert got['prelude'] == pytest.approx(2 * per_block)
+    assert got['loop'] == pytest.approx(3 * per_block + mm(2 * d, d))  # + adapter
+    assert got['head'] == pytest.approx(head)
+    assert got['coda_head'] == pytest.approx(per_block + head)
+    assert got['total'] == pytest.approx(2 * per_block + r * (3 * per_block + mm(2 * d, d))
+                                         + per_block + head)
