@@ -181,7 +181,7 @@ def count_params(cfg: ModelConfig) -> int:
   """Unique parameter count, computed abstractly (nothing allocated)."""
   abstract = nnx.eval_shape(lambda: LoopedLM(cfg, nnx.Rngs(0)))
   state = nnx.state(abstract, nnx.Param)
-  return sum(int(jnp.size(x)) if hasattr(x, 'size') else 0
+  return sum(int(x.size) if hasattr(x, 'size') else 0
              for x in jax.tree.leaves(state))
 
 

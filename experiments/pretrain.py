@@ -9,7 +9,7 @@ Every config field is a flag: --config.model.d_model=256, --config.depth.mean=4,
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from elastic_depth import config as config_lib
@@ -26,6 +26,7 @@ _QUIET = flags.DEFINE_bool('quiet', False, 'No progress bar.')
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   cfg = _CONFIG.value
   try:
     summary = train.run(cfg, _WORKDIR.value, resume=_RESUME.value, quiet=_QUIET.value)

@@ -1,0 +1,369 @@
+"""Measurements on a frozen looped LM: elasticity, convergence and exit-policy sweeps.
+
+Everything runs jitted in fp32 ('highest' matmul precision) with fixed keys: batch k
+draws its initial recurrent state from `jax.random.fold_in(rng, k)` in every run
+(trace and sweep alike), and all reductions happen on the host in float64 over the
+masked tokens in a fixed order, so a checkpoint and its flags give bit-identical
+numbers.
+
+One traced uniform run at depth R gives per-loop arrays [R, N, L] (N = all rows of
+all batches): in parallel semantics with no exits the readout of loop i equals the
+output at uniform depth i, so `trace.stats['nll'][i - 1]` is the loss at depth i.
+"""
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from flax import nnx
+
+from elastic_depth import inference, policies
+from elastic_depth import model as model_lib
+from elastic_depth.config import ExitConfig, ExitPolicy
+
+KL_POLICIES = (ExitPolicy.KL.value, ExitPolicy.REVERSE_KL.value)
+
+
+def default_grid(lo: float = 1e-6, hi: float = 1.0, n: int = 13) -> list[float]:
+  """Log-spaced thresholds lo..hi (default: 1e-6..1, two points per decade)."""
+  return [float(x) for x in np.logspace(np.log10(lo), np.log10(hi), n)]
+
+
+def batch_key(rng: jax.Array, k: int) -> jax.Array:
+  """Key of batch k's initial state (shared by every run so curves are comparable)."""
+  return jax.random.fold_in(rng, k)
+
+
+def _bar(items, desc: str, progress: bool):
+  return tqdm.tqdm(items, desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
+
+
+def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
+  """sum(x * mask) / sum(mask) over the last two axes' worth of tokens, float64."""
+  m = np.asarray(mask, np.float64)
+  return float(np.sum(np.asarray(x, np.float64) * m) / max(np.sum(m), 1.0))
+
+
+# ----------------------------------------------------------------------------
+# Traces.
+
+
+@dataclasses.dataclass
+class Trace:
+  """Per-loop statistics of a uniform run at depth R over all validation tokens."""
+  stats: dict[str, np.ndarray]  # kl, rkl, delta, nll (float32), argmax (int32): [R, N, L]
+  inputs: np.ndarray            # int32 [N, L]
+  targets: np.ndarray           # int32 [N, L]
+  mask: np.ndarray              # float32 [N, L]
+  difficulty: Optional[np.ndarray] = None  # int32 [N, L] when the batches have it
+
+  @property
+  def r_max(self) -> int:
+    return int(self.stats['nll'].shape[0])
+
+
+def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+                  r_max: int, rng: jax.Array, progress: bool = False) -> Trace:
+  """Traced uniform-depth runs (policy 'uniform', depth r_max) over the batches."""
+  graphdef, state = nnx.split(model)
+  cfg = ExitConfig(policy=ExitPolicy.UNIFORM.value, depth=r_max, max_loops=r_max)
+
+  @jax.jit
+  def run(state, inputs, targets, key):
+    mdl = nnx.merge(graphdef, state)
+    return inference.score(mdl, inputs, cfg, key, targets_BxL=targets, trace=True).traces
+
+  outs = []
+  with jax.default_matmul_precision('highest'):
+    for k, b in enumerate(_bar(batches, f'trace R={r_max}', progress)):
+      outs.append(jax.device_get(run(state, jnp.asarray(b['inputs'], jnp.int32),
+                                     jnp.asarray(b['targets'], jnp.int32),
+                                     batch_key(rng, k))))
+  cat = lambda name: np.concatenate([np.asarray(b[name]) for b in batches], axis=0)
+  has_diff = all('difficulty' in b for b in batches)
+  return Trace(stats={k: np.concatenate([o[k] for o in outs], axis=1) for k in outs[0]},
+               inputs=cat('inputs'), targets=cat('targets'),
+               mask=cat('mask').astype(np.float32),
+               difficulty=cat('difficulty') if has_diff else None)
+
+
+# ----------------------------------------------------------------------------
+# Elasticity and convergence.
+
+
+def elasticity(trace: Trace) -> dict:
+  """Mean NLL (nats/token, mask-weighted) at uniform depth 1..R."""
+  r = trace.r_max
+  return {'depths': list(range(1, r + 1)),
+          'loss': [_masked_mean(trace.stats['nll'][i], trace.mask) for i in range(r)]}
+
+
+def argmax_convergence(argmax_RxNxL: np.ndarray) -> np.ndarray:
+  """First loop after which the argmax never changes again up to R (1 if never changes)."""
+  r = argmax_RxNxL.shape[0]
+  changed = argmax_RxNxL[1:] != argmax_RxNxL[:-1]          # loop i+1 differs from loop i
+  loop = np.arange(2, r + 1).reshape(-1, *([1] * (argmax_RxNxL.ndim - 1)))
+  return np.max(np.where(changed, loop, 1), axis=0, initial=1).astype(np.int32)
+
+
+def kl_convergence(kl_RxNxL: np.ndarray, eps: float) -> np.ndarray:
+  """First loop i >= 2 with KL(p_j || p_{j-1}) < eps for every j in i..R; R + 1 if none.
+
+  Loop 1 is never counted (its KL compares with the readout of the initial state),
+  matching the exit policies, which cannot fire before loop 2.
+  """
+  r = kl_RxNxL.shape[0]
+  high = kl_RxNxL[1:] >= eps
+  loop = np.arange(3, r + 2).reshape(-1, *([1] * (kl_RxNxL.ndim - 1)))
+  return np.max(np.where(high, loop, 2), axis=0, initial=2).astype(np.int32)
+
+
+def depth_distribution(depth: np.ndarray, sel: np.ndarray, bins: int, ref_depth: int) -> dict:
+  """count, mean, median, p90, histogram over 1..bins and share with depth > ref_depth."""
+  v = np.asarray(depth)[np.asarray(sel, bool)].astype(np.float64)
+  if v.size == 0:
+    return {'count': 0}
+  hist = np.bincount(v.astype(np.int64), minlength=bins + 1)[1:bins + 1]
+  return {'count': int(v.size), 'mean': float(v.mean()), 'median': float(np.median(v)),
+          'p90': float(np.quantile(v, 0.9)), 'histogram': [int(x) for x in hist],
+          'share_changing_after_ref': float(np.mean(v > ref_depth))}
+
+
+def difficulty_groups(difficulty: np.ndarray) -> dict[str, np.ndarray]:
+  """Synthetic generator groups: random (-1), format (0) and hops=k answers."""
+  out = {'random': difficulty == -1, 'format': difficulty == 0}
+  for k in sorted(set(np.unique(difficulty).tolist()) - {-1, 0}):
+    out[f'hops={k}'] = difficulty == k
+  return out
+
+
+def class_groups(class_ids: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
+  """One boolean mask per token class (e.g. data.token_classes of the targets)."""
+  return {n: class_ids == i for i, n in enumerate(names)}
+
+
+def convergence(trace: Trace, ref_depth: float, eps_conv: float = 1e-3,
+                groups: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None) -> dict:
+  """Per-loop convergence curves and per-token convergence depths.
+
+  Args:
+    trace: from trace_batches.
+    ref_depth: the training-mean depth; `share_changing_after_ref` counts tokens whose
+      argmax still changes after loop round(ref_depth).
+    eps_conv: KL threshold of the KL-based convergence depth.
+    groups: {breakdown name: {group name: bool [N, L]}} (token classes, difficulty).
+  Returns:
+    JSON-friendly dict.
+  """
+  r, st, mask = trace.r_max, trace.stats, trace.mask
+  valid = mask > 0
+  ref = int(round(ref_depth))
+  am_conv = argmax_convergence(st['argmax'])
+  kl_conv = kl_convergence(st['kl'], eps_conv)
+  changed = np.concatenate([np.zeros_like(st['argmax'][:1], bool),
+                            st['argmax'][1:] != st['argmax'][:-1]])
+  per_loop = {'loop': list(range(1, r + 1))}
+  for name, arr in (('kl', st['kl']), ('rkl', st['rkl']), ('delta', st['delta']),
+                    ('argmax_changed', changed)):
+    per_loop[f'mean_{name}'] = [_masked_mean(arr[i], mask) for i in range(r)]
+  per_loop['loss'] = elasticity(trace)['loss']
+  out = {'r_max': r, 'ref_depth': ref, 'eps_conv': eps_conv, 'tokens': int(valid.sum()),
+         'per_loop': per_loop,
+         'argmax_depth': depth_distribution(am_conv, valid, r, ref),
+         'kl_depth': depth_distribution(kl_conv, valid, r + 1, ref)}
+  out['kl_depth']['share_not_converged'] = float(np.mean(kl_conv[valid] > r))
+  nll = st['nll']
+  for breakdown, gs in (groups or {}).items():
+    rows = {}
+    for g, sel in gs.items():
+      sel = np.asarray(sel, bool) & valid
+      if not sel.any():
+        continue
+      row = depth_distribution(am_conv, sel, r, ref)
+      row.pop('histogram')
+      row['kl_depth_median'] = float(np.median(kl_conv[sel]))
+      row['loss_ref'] = float(nll[min(ref, r) - 1][sel].astype(np.float64).mean())
+      row['loss_final'] = float(nll[-1][sel].astype(np.float64).mean())
+      rows[g] = row
+    out[f'by_{breakdown}'] = rows
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Policy sweeps.
+
+
+class Curve(NamedTuple):
+  """An exit-policy curve: one scored run per threshold."""
+  policy: str
+  thresholds: Sequence[float]
+  router: Optional[policies.Router] = None
+  min_loops: int = 1
+
+
+def check_readouts(depth: np.ndarray, policy: str, min_loops: int = 1) -> np.ndarray:
+  """Readouts (coda + head) a token's exit checks need (check_every = 1).
+
+  KL policies consult loops max(min_loops, 2)..depth, each needing p_i and p_{i-1}:
+  readouts of loops max(min_loops, 2) - 1..depth (each computed once). State-change
+  and router checks need no readout (their O(D) cost is not counted).
+  """
+  if policy not in KL_POLICIES:
+    return np.zeros_like(depth)
+  first = max(min_loops, 2)
+  return np.where(depth >= first, depth - first + 2, 0)
+
+
+def token_flops(mcfg, depth: np.ndarray, seq_len: int, policy: str = 'uniform',
+                min_loops: int = 1) -> np.ndarray:
+  """Forward FLOPs per token: prelude + depth loops + final coda/head + exit checks."""
+  f = model_lib.flops_per_token(mcfg, 0, seq_len)
+  d = np.asarray(depth, np.float64)
+  return (f['prelude'] + d * f['loop'] + f['coda_head']
+          + check_readouts(d, policy, min_loops) * f['coda_head'])
+
+
+def uniform_curve(trace: Trace, mcfg) -> dict:
+  """A0 at every depth 1..R from the trace: loss, mean loops and FLOPs/token."""
+  e = elasticity(trace)
+  seq_len = trace.inputs.shape[1]
+  return {'policy': 'uniform', 'threshold': e['depths'], 'mean_loops': [float(d) for d in e['depths']],
+          'loss': e['loss'],
+          'flops': [float(token_flops(mcfg, np.float64(d), seq_len)) for d in e['depths']]}
+
+
+def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+                 rng: jax.Array, curve: Curve, r_max: int, progress: bool = False) -> dict:
+  """Scores the batches with `inference.score` at every threshold of the curve.
+
+  The threshold is a traced argument: one compilation per curve (and batch shape).
+  """
+  graphdef, state = nnx.split(model)
+  policy, min_loops = ExitPolicy(curve.policy).value, curve.min_loops
+
+  @jax.jit
+  def run(state, inputs, targets, key, eps, router):
+    mdl = nnx.merge(graphdef, state)
+    cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
+                     max_loops=r_max, check_every=1)
+    res = inference.score(mdl, inputs, cfg, key, router=router)
+    return inference.nll(res.logits, targets), res.depth
+
+  seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
+  out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'mean_checks',
+                         'share_max_depth')}
+  with jax.default_matmul_precision('highest'):
+    for eps in _bar(list(curve.thresholds), f'sweep {policy}', progress):
+      nll, depth = [], []
+      for k, b in enumerate(batches):
+        n, d = jax.device_get(run(state, jnp.asarray(b['inputs'], jnp.int32),
+                                  jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k),
+                                  jnp.float32(eps), curve.router))
+        nll.append(n)
+        depth.append(d)
+      nll, depth = np.concatenate(nll), np.concatenate(depth)
+      mask = np.concatenate([np.asarray(b['mask'], np.float32) for b in batches])
+      out['threshold'].append(float(eps))
+      out['mean_loops'].append(_masked_mean(depth, mask))
+      out['loss'].append(_masked_mean(nll, mask))
+      out['flops'].append(_masked_mean(token_flops(model.cfg, depth, seq_len, policy,
+                                                   min_loops), mask))
+      out['mean_checks'].append(_masked_mean(check_readouts(depth, policy, min_loops), mask))
+      out['share_max_depth'].append(_masked_mean(depth == r_max, mask))
+  out['policy'] = policy
+  return out
+
+
+def headline(a0: dict, curve: dict, ref_depth: float, delta: float = 0.01) -> dict:
+  """The exit policy against uniform depth.
+
+  * ref: A0 at the training-mean depth (linearly interpolated if fractional);
+  * best: the curve point with the smallest mean loops whose loss is within delta of
+    ref (ties: lower loss), with its loop and FLOP savings relative to ref;
+  * frontier: for every curve point, A0's loss interpolated at the same mean loops and
+    at the same FLOPs/token (gap = curve loss - A0 loss; negative: the policy wins).
+  """
+  d0 = np.asarray(a0['mean_loops'], np.float64)
+  l0 = np.asarray(a0['loss'], np.float64)
+  f0 = np.asarray(a0['flops'], np.float64)
+  ref_loss = float(np.interp(ref_depth, d0, l0))
+  ref_flops = float(np.interp(ref_depth, d0, f0))
+  ml = np.asarray(curve['mean_loops'], np.float64)
+  loss = np.asarray(curve['loss'], np.float64)
+  fl = np.asarray(curve['flops'], np.float64)
+  a0_same_loops = np.interp(ml, d0, l0)
+  a0_same_flops = np.interp(fl, f0, l0)
+  frontier = {'a0_loss_same_loops': a0_same_loops.tolist(),
+              'gap_same_loops': (loss - a0_same_loops).tolist(),
+              'a0_loss_same_flops': a0_same_flops.tolist(),
+              'gap_same_flops': (loss - a0_same_flops).tolist(),
+              'flops_in_a0_range': ((fl >= f0.min()) & (fl <= f0.max())).tolist()}
+  within_u = [float(d) for d, x in zip(d0, l0) if x <= ref_loss + delta]
+  out = {'policy': curve.get('policy'), 'ref_depth': float(ref_depth), 'ref_loss': ref_loss,
+         'ref_flops': ref_flops, 'delta': float(delta), 'frontier': frontier,
+         'uniform_depth_within_delta': min(within_u) if within_u else None,
+         'points_beating_a0_same_loops': int(np.sum(loss < a0_same_loops)),
+         'best_gap_same_loops': float(np.min(loss - a0_same_loops)) if len(loss) else None,
+         'best': None}
+  ok = [i for i in range(len(loss)) if loss[i] <= ref_loss + delta]
+  if ok:
+    i = min(ok, key=lambda j: (ml[j], loss[j]))
+    out['best'] = {
+        'index': i, 'threshold': curve['threshold'][i], 'mean_loops': float(ml[i]),
+        'loss': float(loss[i]), 'flops': float(fl[i]),
+        'loop_saving': float(1.0 - ml[i] / ref_depth),
+        'flops_saving': float(1.0 - fl[i] / ref_flops),
+        'a0_loss_same_loops': float(a0_same_loops[i]),
+        'gap_same_loops': float(loss[i] - a0_same_loops[i]),
+        'a0_loss_same_flops': float(a0_same_flops[i]),
+        'gap_same_flops': float(loss[i] - a0_same_flops[i])}
+  return out
+
+
+def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: jax.Array,
+          r_max: int, ref_depth: float, *, eps_grid: Optional[Sequence[float]] = None,
+          delta: float = 0.01, curves: Sequence[str] = ('kl',),
+          state_delta_grid: Optional[Sequence[float]] = None,
+          router: Optional[policies.Router] = None,
+          router_grid: Optional[Sequence[float]] = None,
+          extra_curves: Optional[Mapping[str, Curve]] = None,
+          trace: Optional[Trace] = None, progress: bool = False) -> dict:
+  """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
+
+  Args:
+    model, batches, rng, r_max: as in trace_batches (the same keys are used).
+    ref_depth: training-mean depth (the A0 reference).
+    eps_grid: thresholds of the KL curves (default: default_grid()).
+    delta: loss tolerance of the headline, nats/token.
+    curves: built-in curves among 'kl' (A1), 'reverse_kl', 'state_delta'.
+    state_delta_grid: thresholds of 'state_delta' (default 1e-4..1).
+    router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
+    extra_curves: {name: Curve} scored the same way (e.g. later probes).
+    trace: a precomputed trace of the same batches and rng (else computed here).
+    progress: tqdm bars.
+  """
+  eps_grid = default_grid() if eps_grid is None else list(eps_grid)
+  grids = {'kl': eps_grid, 'reverse_kl': eps_grid,
+           'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
+  specs = {}
+  for c in curves:
+    if c not in grids:
+      raise ValueError(f'unknown curve {c!r}; built-in curves: {sorted(grids)}')
+    specs[c] = Curve(c, grids[c])
+  if router is not None:
+    specs['router'] = Curve('router', router_grid or [float(x) for x in
+                                                      np.linspace(0.05, 0.95, 10)], router)
+  specs.update(extra_curves or {})
+  if trace is None:
+    trace = trace_batches(model, batches, r_max, rng, progress)
+  a0 = uniform_curve(trace, model.cfg)
+  out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta),
+         'tokens': int((trace.mask > 0).sum()), 'a0': a0, 'curves': {}, 'headline': {}}
+  for name, spec in specs.items():
+    pts = policy_curve(model, batches, rng, spec, r_max, progress)
+    out['curves'][name] = pts
+    out['headline'][name] = headline(a0, pts, ref_depth, delta)
+  return out

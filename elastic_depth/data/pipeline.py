@@ -1,0 +1,194 @@
+"""Packing documents into fixed windows, the grain training pipeline and validation batches."""
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from elastic_depth.data import sources, synthetic
+from elastic_depth.data import tokenizer as tokenizer_lib
+from elastic_depth.data.errors import DataError
+
+NO_DIFFICULTY = -1  # difficulty of text tokens and of padding
+
+
+def pack(docs_ids: list[np.ndarray], eos_id: int,
+         docs_difficulty: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Concatenates documents, each followed by EOS, into flat streams.
+
+  Args:
+    docs_ids: one int array [T_i] of token ids per document (no EOS).
+    eos_id: id appended after every document.
+    docs_difficulty: optional int arrays [T_i]; EOS gets difficulty 0. None: all -1.
+
+  Returns:
+    (tokens_N, difficulty_N), both int32 with N = sum(T_i + 1).
+  """
+  eos = np.array([eos_id], np.int32)
+  tokens_N = np.concatenate([np.concatenate([np.asarray(d, np.int32), eos]) for d in docs_ids])
+  if docs_difficulty is None:
+    return tokens_N, np.full_like(tokens_N, NO_DIFFICULTY)
+  zero = np.zeros(1, np.int32)
+  difficulty_N = np.concatenate([np.concatenate([np.asarray(d, np.int32), zero])
+                                 for d in docs_difficulty])
+  return tokens_N, difficulty_N
+
+
+class Windows:
+  """Random-access source of windows of seq_len + 1 tokens taken with stride seq_len.
+
+  Window i covers stream[i*L : i*L + L + 1], so consecutive windows share one token
+  and every next-token pair of the stream (up to the last full window) is a target once.
+  """
+
+  def __init__(self, tokens_N: np.ndarray, difficulty_N: np.ndarray, seq_len: int):
+    self.tokens_N = tokens_N
+    self.difficulty_N = difficulty_N
+    self.seq_len = seq_len
+
+  def __len__(self) -> int:
+    return max(0, (len(self.tokens_N) - 1) // self.seq_len)
+
+  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    if not 0 <= i < len(self):
+      raise IndexError(f'window {i} out of range [0, {len(self)})')
+    start = int(i) * self.seq_len
+    window = self.tokens_N[start:start + self.seq_len + 1]
+    return {
+        'inputs': window[:-1].copy(),
+        'targets': window[1:].copy(),
+        'mask': np.ones(self.seq_len, np.float32),
+        'difficulty': self.difficulty_N[start + 1:start + self.seq_len + 1].copy(),
+    }
+
+
+def train_dataset(windows: Windows, batch_size: int, seed: int, shard_index: int = 0,
+                  shard_count: int = 1) -> grain.MapDataset:
+  """Infinite grain dataset of batches: this host's windows, reshuffled every epoch."""
+  ds = grain.MapDataset.source(windows)
+  if shard_count > 1:
+    ds = ds[shard_index::shard_count]
+  return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+
+
+def fixed_batches(windows: Windows, batch_size: int, n: int | None) -> list[dict]:
+  """First n batches of windows in order; the last one padded with mask-0 rows."""
+  n_all = -(-len(windows) // batch_size)
+  out = []
+  for b in range(n_all if n is None else min(n, n_all)):
+    rows = [windows[i] for i in range(b * batch_size, min(len(windows), (b + 1) * batch_size))]
+    while len(rows) < batch_size:
+      rows.append({'inputs': np.zeros_like(rows[0]['inputs']),
+                   'targets': np.zeros_like(rows[0]['targets']),
+                   'mask': np.zeros_like(rows[0]['mask']),
+                   'difficulty': np.full_like(rows[0]['difficulty'], NO_DIFFICULTY)})
+    out.append({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+  return out
+
+
+@dataclasses.dataclass
+class Data:
+  """Everything the trainer needs from the data package (see build)."""
+  train_iter: object       # grain iterator of batches with get_state()/set_state()
+  tokenizer: object        # HFTokenizer or synthetic.SyntheticVocab
+  vocab_size: int
+  eos_id: int
+  seq_len: int
+  batch_size: int
+  train_ds: grain.MapDataset
+  train_windows: Windows
+  val_windows: Windows
+  stats: dict
+
+  def new_train_iter(self, state: dict | None = None):
+    """A fresh training iterator, restored to `state` when given."""
+    it = iter(self.train_ds)
+    if state is not None:
+      it.set_state(state)
+    return it
+
+  def val_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
+    """The first n validation batches (all when None); the same list on every call."""
+    return fixed_batches(self.val_windows, self.batch_size, n)
+
+  def describe(self) -> str:
+    """One-line summary of sources, documents, tokens and windows."""
+    s = self.stats
+    return (f"data {s['origin']}: tokenizer {s['tokenizer']} (vocab {self.vocab_size}, "
+            f"eos {self.eos_id}); train {s['train_docs']} docs {s['train_tokens']} tokens "
+            f"{s['train_windows']} windows; val {s['val_docs']} docs {s['val_tokens']} tokens "
+            f"{len(self.val_windows)} windows; seq_len {self.seq_len} batch {self.batch_size}")
+
+
+def _synthetic_streams(cfg, vocab_size, workdir):
+  """Synthetic programs with difficulty labels in their own vocabulary."""
+  del workdir
+  train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
+                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction)
+  tokenizer_lib.check_vocab(vocab, vocab_size)
+  return 'synthetic', vocab, (train.ids, train.difficulty), (val.ids, val.difficulty)
+
+
+def _text_streams(cfg, vocab_size, workdir):
+  """Documents of a text-like source, tokenized; difficulty unknown (-1)."""
+  corpus = sources.load(cfg)
+  tok = tokenizer_lib.get(cfg.tokenizer, corpus.train, vocab_size, workdir)
+  return (corpus.origin, tok, (tok.encode_batch(corpus.train), None),
+          (tok.encode_batch(corpus.val), None))
+
+
+STREAMS = {
+    sources.Source.SYNTHETIC: _synthetic_streams,
+    sources.Source.TEXT: _text_streams,
+    sources.Source.HF: _text_streams,
+    sources.Source.TFDS: _text_streams,
+}
+
+
+def _windows(split: str, docs, tok, seq_len: int, origin: str) -> Windows:
+  """Packed windows of one split; DataError if shorter than one sequence."""
+  ids, difficulty = docs
+  empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+  tokens_N, difficulty_N = pack(ids, tok.eos_id, difficulty) if ids else empty
+  if len(tokens_N) < seq_len + 1:
+    raise DataError(f'{origin}: the {split} split has {len(tokens_N)} tokens, fewer than one '
+                    f'sequence (seq_len+1={seq_len + 1}); use more data, a shorter '
+                    'train.seq_len' + (' or a larger data.val_fraction / data.val_paths'
+                                       if split == 'validation' else ''))
+  return Windows(tokens_N, difficulty_N, seq_len)
+
+
+def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=None,
+          shard_index: int = 0, shard_count: int = 1) -> Data:
+  """Loads, tokenizes and packs the configured corpus; every DataError is raised here.
+
+  Args:
+    data_cfg: a DataConfig.
+    seq_len: L, tokens per sequence (windows hold L + 1 tokens).
+    batch_size: B, sequences per batch (per host).
+    vocab_size: the model's vocabulary size; the tokenizer may not exceed it.
+    workdir: run directory; a trained tokenizer is saved/reused as workdir/tokenizer.json.
+    shard_index: this host's index; hosts draw disjoint training windows.
+    shard_count: number of hosts.
+
+  Returns:
+    Data whose batches are dicts: inputs int32[B,L], targets int32[B,L], mask float32[B,L],
+    difficulty int32[B,L] (of the target token; -1 for text).
+  """
+  if seq_len < 1 or batch_size < 1:
+    raise DataError(f'seq_len={seq_len} and batch_size={batch_size} must be >= 1')
+  if not 0 <= shard_index < shard_count:
+    raise DataError(f'shard_index={shard_index} not in [0, shard_count={shard_count})')
+  origin, tok, train_docs, val_docs = STREAMS[sources.source_of(data_cfg)](
+      data_cfg, vocab_size, workdir)
+  train_w = _windows('train', train_docs, tok, seq_len, origin)
+  val_w = _windows('validation', val_docs, tok, seq_len, origin)
+  if len(train_w) < shard_count:
+    raise DataError(f'{origin}: {len(train_w)} training windows for {shard_count} hosts')
+  train_ds = train_dataset(train_w, batch_size, data_cfg.seed, shard_index, shard_count)
+  stats = {'origin': origin, 'tokenizer': getattr(tok, 'origin', 'synthetic vocabulary'),
+           'train_docs': len(train_docs[0]), 'val_docs': len(val_docs[0]),
+           'train_tokens': len(train_w.tokens_N), 'val_tokens': len(val_w.tokens_N),
+           'train_windows': len(train_w)}
+  return Data(iter(train_ds), tok, tok.vocab_size, tok.eos_id, seq_len, batch_size,
+              train_ds, train_w, val_w, stats)

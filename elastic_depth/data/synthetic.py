@@ -1,0 +1,162 @@
+"""Embedded synthetic corpus: variable-binding programs whose answers need k hops.
+
+No download and no BPE: programs are written directly in a tiny vocabulary
+(5 format tokens, 10 digits, `num_vars` variable names; under 64 ids by default).
+One example (k = 3, shown with 5 binding lines instead of the usual 12):
+
+  d = 4 ; c = b ; a = 7 ; e = c ; b = a ; ? c = 7 .
+
+Generator, deterministic from the seed (numpy PCG64 seeded with (seed, split)):
+  * draw the hop count k uniformly from 1..max_hops and
+    n_lines = min(num_vars, 2 * max_hops) distinct variables;
+  * the first k variables form the query chain x1 = v ; x2 = x1 ; ... ; xk = x(k-1),
+    with v a random digit;
+  * every other variable is a distractor bound either to a random digit or to a
+    random variable bound before it in generation order (so distractors form their
+    own chains and branch off the query chain, and var-to-var lines are no hint);
+  * the binding lines `var = rhs ;` are shuffled, then the query `? xk = v .` follows.
+Since every variable is bound exactly once, resolving xk takes exactly k lookups.
+
+Each token carries a difficulty as a prediction target (given everything before it):
+   0  format tokens determined by the prefix: `=`, `;`, `?` (fixed line count), `.`, EOS;
+  -1  random draws that no model can predict: bound names, right-hand sides, query name;
+   k  the answer digit, which needs k hops through the bindings.
+Validation programs come from a separate random stream and exclude any program
+that also occurs in the training set.
+"""
+
+import dataclasses
+import string
+
+import numpy as np
+
+from elastic_depth.data.errors import DataError
+
+EOS = '<|endoftext|>'
+FORMAT_TOKENS = (EOS, '=', ';', '?', '.')
+DIGITS = tuple(str(d) for d in range(10))
+VAR_NAMES = tuple(string.ascii_lowercase + string.ascii_uppercase)
+RANDOM = -1  # difficulty of unpredictable tokens
+FORMAT = 0   # difficulty of predictable format tokens
+TRAIN_STREAM, VAL_STREAM = 0, 1
+
+
+class SyntheticVocab:
+  """Whitespace tokenizer over the synthetic vocabulary (same interface as HFTokenizer)."""
+
+  def __init__(self, num_vars: int):
+    self.tokens = FORMAT_TOKENS + DIGITS + VAR_NAMES[:num_vars]
+    self._ids = {t: i for i, t in enumerate(self.tokens)}
+    self.eos_id = self._ids[EOS]
+    self.special_ids = frozenset({self.eos_id})
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.tokens)
+
+  def token_to_id(self, token: str) -> int:
+    """Id of one token; DataError if it is not in the vocabulary."""
+    if token not in self._ids:
+      raise DataError(f'token {token!r} is not in the synthetic vocabulary')
+    return self._ids[token]
+
+  def encode_batch(self, docs: list[str]) -> list[np.ndarray]:
+    """Splits each document on whitespace and maps tokens to int32 ids."""
+    return [np.array([self.token_to_id(t) for t in d.split()], np.int32) for d in docs]
+
+  def decode(self, ids) -> str:
+    """Space-separated tokens."""
+    return ' '.join(self.tokens[int(i)] for i in ids)
+
+  def id_to_token(self, i: int) -> str:
+    """Token string of one id."""
+    return self.tokens[int(i)]
+
+
+@dataclasses.dataclass
+class Split:
+  """Token ids and per-token difficulty of one split, one array per program."""
+  ids: list[np.ndarray]
+  difficulty: list[np.ndarray]
+
+  def docs(self, vocab: SyntheticVocab) -> list[str]:
+    """Programs as space-separated strings."""
+    return [vocab.decode(x) for x in self.ids]
+
+
+def check_config(max_hops: int, num_vars: int, num_examples: int) -> None:
+  """Raises DataError for generator settings that cannot produce programs."""
+  if max_hops < 1:
+    raise DataError(f'data.synth_max_hops={max_hops} must be >= 1')
+  if not max_hops <= num_vars <= len(VAR_NAMES):
+    raise DataError(f'data.synth_num_vars={num_vars} must be in [synth_max_hops={max_hops}, '
+                    f'{len(VAR_NAMES)}]')
+  if num_examples < 1:
+    raise DataError(f'data.synth_examples={num_examples} must be >= 1')
+
+
+def program(rng: np.random.Generator, max_hops: int,
+            num_vars: int) -> tuple[list[str], list[int]]:
+  """One program (tokens, difficulty per token); the answer needs k ~ U{1..max_hops} hops."""
+  hops = int(rng.integers(1, max_hops + 1))
+  n_lines = min(num_vars, 2 * max_hops)
+  names = [VAR_NAMES[i] for i in rng.permutation(num_vars)[:n_lines]]
+  value = DIGITS[rng.integers(10)]
+  rhs = {names[0]: value}
+  for i in range(1, hops):
+    rhs[names[i]] = names[i - 1]
+  for i in range(hops, n_lines):
+    if rng.random() < 0.5:
+      rhs[names[i]] = DIGITS[rng.integers(10)]
+    else:
+      rhs[names[i]] = names[rng.integers(i)]
+  tokens, difficulty = [], []
+  for i in rng.permutation(n_lines):
+    tokens += [names[i], '=', rhs[names[i]], ';']
+    difficulty += [RANDOM, FORMAT, RANDOM, FORMAT]
+  tokens += ['?', names[hops - 1], '=', value, '.']
+  difficulty += [FORMAT, RANDOM, FORMAT, hops, FORMAT]
+  return tokens, difficulty
+
+
+def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
+             stream: int, exclude: frozenset = frozenset()) -> Split:
+  """`num_examples` programs from the random stream (seed, stream), skipping `exclude`."""
+  check_config(max_hops, num_vars, num_examples)
+  vocab = SyntheticVocab(num_vars)
+  rng = np.random.default_rng([seed, stream])
+  ids, difficulty = [], []
+  for _ in range(100 * num_examples + 1000):
+    if len(ids) == num_examples:
+      break
+    tokens, diff = program(rng, max_hops, num_vars)
+    if tuple(tokens) in exclude:
+      continue
+    ids.append(np.array([vocab.token_to_id(t) for t in tokens], np.int32))
+    difficulty.append(np.array(diff, np.int32))
+  if len(ids) < num_examples:
+    raise DataError(f'only {len(ids)} of {num_examples} synthetic programs are new: too few '
+                    'distinct programs; raise data.synth_num_vars or data.synth_max_hops')
+  return Split(ids, difficulty)
+
+
+def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
+         val_fraction: float) -> tuple[Split, Split, SyntheticVocab]:
+  """Train and validation programs (disjoint) and the vocabulary.
+
+  Args:
+    num_examples: training programs.
+    max_hops: largest hop count k.
+    num_vars: variable names in the vocabulary (>= max_hops, <= 52).
+    seed: random seed; the same seed gives the same programs.
+    val_fraction: validation programs = max(1, round(num_examples * val_fraction)).
+
+  Returns:
+    (train, val, vocab); each Split holds int32 ids [T_i] and difficulty [T_i] per program.
+  """
+  vocab = SyntheticVocab(num_vars)
+  train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM)
+  seen = frozenset(tuple(vocab.decode(x).split()) for x in train.ids)
+  n_val = max(1, int(round(num_examples * val_fraction)))
+  val = generate(n_val, max_hops, num_vars, seed, VAL_STREAM, exclude=seen)
+  return train, val, vocab

@@ -1,0 +1,188 @@
+"""Report files for the measurement experiments: JSON, a small PNG and a markdown table.
+
+Every experiment writes <workdir>/reports/<name>.{json,png,md}. The JSON holds
+`results` (all numbers; deterministic) next to `command`, `flags`, `checkpoint` and
+`date` (which naturally differ between runs).
+"""
+
+import datetime
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+
+def clean(x: Any) -> Any:
+  """JSON-safe copy: numpy scalars/arrays to Python, non-finite floats to None."""
+  if isinstance(x, dict):
+    return {str(k): clean(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [clean(v) for v in x]
+  if isinstance(x, np.ndarray):
+    return clean(x.tolist())
+  if isinstance(x, (np.bool_, bool)):
+    return bool(x)
+  if isinstance(x, (np.integer, int)):
+    return int(x)
+  if isinstance(x, (np.floating, float)):
+    return float(x) if math.isfinite(float(x)) else None
+  return x
+
+
+def write(workdir: str, name: str, results: dict, *, flags: dict, checkpoint: dict,
+          markdown: str, plot: Optional[Callable[[Any], None]] = None) -> dict:
+  """Writes reports/<name>.json, .md and (with plot(fig)) .png; returns the paths."""
+  out_dir = os.path.join(workdir, 'reports')
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {ext: os.path.join(out_dir, f'{name}.{ext}') for ext in ('json', 'md', 'png')}
+  doc = {'experiment': name, 'date': datetime.datetime.now().isoformat(timespec='seconds'),
+         'command': ' '.join(sys.argv), 'flags': clean(flags),
+         'checkpoint': clean(checkpoint), 'results': clean(results)}
+  with open(paths['json'], 'w', encoding='utf-8') as f:
+    json.dump(doc, f, indent=1, allow_nan=False)
+  with open(paths['md'], 'w', encoding='utf-8') as f:
+    f.write(markdown)
+  if plot is None:
+    paths.pop('png')
+  else:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+    fig = plt.figure(figsize=(10, 4), dpi=100)
+    plot(fig)
+    fig.tight_layout()
+    fig.savefig(paths['png'], dpi=100)
+    plt.close(fig)
+  return paths
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+  """A markdown table; floats with 4 significant decimals."""
+  fmt = lambda v: ('-' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v))
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  lines += ['| ' + ' | '.join(fmt(v) for v in r) + ' |' for r in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def _title(name: str, checkpoint: dict) -> str:
+  return (f"# {name}\n\nworkdir `{checkpoint.get('workdir')}`, step {checkpoint.get('step')}, "
+          f"data {checkpoint.get('data')}\n\n")
+
+
+# ----------------------------------------------------------------------------
+# Per-experiment markdown and plots.
+
+
+def elasticity_markdown(res: dict, checkpoint: dict) -> str:
+  rows = [[d, l, '*' if d == res['ref_depth'] else ''] for d, l in
+          zip(res['depths'], res['loss'])]
+  return (_title('Elasticity: loss vs uniform depth', checkpoint)
+          + f"{res['tokens']} tokens; training mean depth {res['train_mean']}, "
+            f"r_max at training {res['train_r_max']}\n\n"
+          + table(['depth', 'loss (nats/token)', 'train mean'], rows))
+
+
+def elasticity_plot(res: dict):
+  def plot(fig):
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(res['depths'], res['loss'], 'o-', label='uniform depth (A0)')
+    ax.axvline(res['train_mean'], color='gray', ls='--', label='training mean')
+    ax.axvline(res['train_r_max'], color='gray', ls=':', label='training r_max')
+    ax.set_xlabel('loops')
+    ax.set_ylabel('validation NLL (nats/token)')
+    ax.legend()
+  return plot
+
+
+def convergence_markdown(res: dict, checkpoint: dict) -> str:
+  pl = res['per_loop']
+  md = _title('Convergence', checkpoint)
+  md += (f"{res['tokens']} tokens, R={res['r_max']}, reference (training mean) depth "
+         f"{res['ref_depth']}, eps_conv={res['eps_conv']}\n\n")
+  a, k = res['argmax_depth'], res['kl_depth']
+  md += table(['convergence depth', 'mean', 'median', 'p90', f"share > {res['ref_depth']}"],
+              [['argmax stable', a['mean'], a['median'], a['p90'],
+                a['share_changing_after_ref']],
+               ['KL < eps_conv', k['mean'], k['median'], k['p90'],
+                k['share_changing_after_ref']]])
+  md += '\n' + table(['loop', 'loss', 'mean KL', 'mean rev KL', 'mean rel. change',
+                      'share argmax changed'],
+                     [[i, pl['loss'][i - 1], pl['mean_kl'][i - 1], pl['mean_rkl'][i - 1],
+                       pl['mean_delta'][i - 1], pl['mean_argmax_changed'][i - 1]]
+                      for i in pl['loop']])
+  for key in sorted(x for x in res if x.startswith('by_')):
+    md += f'\n## {key}\n\n' + table(
+        ['group', 'tokens', 'mean depth', 'median', 'p90', f"share > {res['ref_depth']}",
+         'KL depth median', f"loss @{res['ref_depth']}", 'loss @R'],
+        [[g, r['count'], r['mean'], r['median'], r['p90'], r['share_changing_after_ref'],
+          r['kl_depth_median'], r['loss_ref'], r['loss_final']] for g, r in res[key].items()])
+  return md
+
+
+def convergence_plot(res: dict):
+  def plot(fig):
+    pl = res['per_loop']
+    ax = fig.add_subplot(1, 2, 1)
+    loops = pl['loop'][1:]
+    for k in ('mean_kl', 'mean_rkl', 'mean_delta'):
+      ax.semilogy(loops, [max(v, 1e-12) for v in pl[k][1:]], 'o-', ms=3, label=k[5:])
+    ax.axvline(res['ref_depth'], color='gray', ls='--')
+    ax.set_xlabel('loop')
+    ax.set_title('successive change')
+    ax.legend()
+    ax = fig.add_subplot(1, 2, 2)
+    h = res['argmax_depth']['histogram']
+    ax.bar(range(1, len(h) + 1), h, label='argmax stable')
+    ax.axvline(res['ref_depth'], color='gray', ls='--', label='training mean')
+    ax.set_xlabel('convergence depth')
+    ax.set_ylabel('tokens')
+    ax.legend()
+  return plot
+
+
+def sweep_markdown(res: dict, checkpoint: dict) -> str:
+  md = _title('Exit-policy sweep', checkpoint)
+  md += (f"{res['tokens']} tokens, R={res['r_max']}, reference: uniform depth "
+         f"{res['ref_depth']} (training mean), delta={res['delta']} nats\n\n## Headline\n\n")
+  rows = []
+  for name, h in res['headline'].items():
+    b = h['best'] or {}
+    rows.append([name, h['ref_loss'], b.get('threshold'), b.get('mean_loops'), b.get('loss'),
+                 b.get('loop_saving'), b.get('flops_saving'), b.get('a0_loss_same_loops'),
+                 b.get('gap_same_loops'), h['uniform_depth_within_delta']])
+  md += table(['policy', 'A0 loss @ref', 'eps', 'mean loops', 'loss', 'loop saving',
+               'FLOP saving', 'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
+              rows)
+  a0 = res['a0']
+  md += '\n## A0 (uniform depth)\n\n' + table(
+      ['depth', 'loss', 'GFLOPs/token'],
+      [[int(d), l, f / 1e9] for d, l, f in zip(a0['mean_loops'], a0['loss'], a0['flops'])])
+  for name, c in res['curves'].items():
+    fr = res['headline'][name]['frontier']
+    md += f'\n## {name}\n\n' + table(
+        ['threshold', 'mean loops', 'loss', 'GFLOPs/token', 'share at R',
+         'A0 loss @same loops', 'gap', 'A0 loss @same FLOPs'],
+        [[c['threshold'][i], c['mean_loops'][i], c['loss'][i], c['flops'][i] / 1e9,
+          c['share_max_depth'][i], fr['a0_loss_same_loops'][i], fr['gap_same_loops'][i],
+          fr['a0_loss_same_flops'][i]] for i in range(len(c['threshold']))])
+  return md
+
+
+def sweep_plot(res: dict):
+  def plot(fig):
+    a0 = res['a0']
+    for j, (key, label, scale) in enumerate((('mean_loops', 'mean loops per token', 1.0),
+                                             ('flops', 'GFLOPs per token', 1e-9))):
+      ax = fig.add_subplot(1, 2, j + 1)
+      ax.plot(np.asarray(a0[key]) * scale, a0['loss'], 'k.-', label='A0 uniform')
+      for name, c in res['curves'].items():
+        ax.plot(np.asarray(c[key]) * scale, c['loss'], 'o-', ms=3, label=name)
+      ref = float(np.interp(res['ref_depth'], a0['mean_loops'], a0['loss']))
+      ax.axhline(ref + res['delta'], color='gray', ls=':', label='A0 @ref + delta')
+      ax.set_xlabel(label)
+      ax.set_ylabel('NLL (nats/token)')
+      ax.legend(fontsize=8)
+  return plot

@@ -1,0 +1,152 @@
+"""Tests of packing, the grain training iterator, validation batches and build()."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from elastic_depth.config import DataConfig
+from elastic_depth.data import pipeline
+from elastic_depth.data.errors import DataError
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} absent')
+TINY = SHARED / 'tinystories' / 'TinyStories-valid.first1000.txt'
+SYNTH = DataConfig(synth_examples=400)
+
+
+def synth_data(**kw):
+  kw = {'seq_len': 32, 'batch_size': 4, 'vocab_size': 512, **kw}
+  return pipeline.build(kw.pop('cfg', SYNTH), **kw)
+
+
+def test_pack_against_brute_force():
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(1, 50, size=n).astype(np.int32) for n in (5, 1, 9, 3)]
+  diffs = [np.arange(len(d), dtype=np.int32) + 1 for d in docs]
+  tokens_N, diff_N = pipeline.pack(docs, 0, diffs)
+  ref_t, ref_d = [], []
+  for d, f in zip(docs, diffs):
+    ref_t += list(d) + [0]
+    ref_d += list(f) + [0]
+  assert tokens_N.tolist() == ref_t and diff_N.tolist() == ref_d
+  assert tokens_N.dtype == diff_N.dtype == np.int32
+  assert (pipeline.pack(docs, 0)[1] == -1).all()
+  windows = pipeline.Windows(tokens_N, diff_N, seq_len=4)
+  assert len(windows) == (len(ref_t) - 1) // 4
+  rows = [windows[i] for i in range(len(windows))]
+  for i, r in enumerate(rows):
+    assert r['inputs'].tolist() == ref_t[4 * i:4 * i + 4]
+    assert r['targets'].tolist() == ref_t[4 * i + 1:4 * i + 5]
+    assert r['difficulty'].tolist() == ref_d[4 * i + 1:4 * i + 5]
+  n = 4 * len(windows)
+  assert np.concatenate([r['inputs'] for r in rows]).tolist() == ref_t[:n]
+  assert np.concatenate([r['targets'] for r in rows]).tolist() == ref_t[1:n + 1]
+  with pytest.raises(IndexError):
+    windows[len(windows)]
+
+
+def test_synthetic_batches_shapes_and_difficulty():
+  data = synth_data()
+  batch = next(data.train_iter)
+  assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
+      'inputs': ((4, 32), 'int32'), 'targets': ((4, 32), 'int32'),
+      'mask': ((4, 32), 'float32'), 'difficulty': ((4, 32), 'int32')}
+  np.testing.assert_array_equal(batch['inputs'][:, 1:], batch['targets'][:, :-1])
+  assert batch['mask'].all() and batch['inputs'].max() < data.vocab_size == 31
+  tok = data.tokenizer
+  for row_t, row_d in zip(batch['targets'], batch['difficulty']):
+    for i, (t, d) in enumerate(zip(row_t, row_d)):
+      if d > 0:  # answer digit: preceded by '? var ='
+        assert tok.id_to_token(t).isdigit() and tok.id_to_token(row_t[i - 1]) == '='
+      if tok.id_to_token(t) in ('=', ';', '.', '<|endoftext|>'):
+        assert d == 0
+  assert 'synthetic' in data.describe() and '400 docs' in data.describe()
+
+
+def test_deterministic_and_seeded():
+  take = lambda d: [next(d.train_iter)['inputs'] for _ in range(5)]
+  a, b = take(synth_data()), take(synth_data())
+  c = take(synth_data(cfg=DataConfig(synth_examples=400, seed=1)))
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_iterator_state_round_trip():
+  data = synth_data(batch_size=8)
+  n_windows = data.stats['train_windows']
+  for _ in range(n_windows // 8 - 2):  # resume just before the epoch boundary
+    next(data.train_iter)
+  state = json.loads(json.dumps(data.train_iter.get_state()))
+  expected = [next(data.train_iter) for _ in range(6)]
+  resumed = synth_data(batch_size=8).new_train_iter(state)
+  for want, got in zip(expected, [next(resumed) for _ in range(6)]):
+    for k in want:
+      np.testing.assert_array_equal(want[k], got[k])
+
+
+def test_epochs_cover_all_windows_and_reshuffle():
+  data = synth_data(batch_size=1)
+  n = data.stats['train_windows']
+  first = [next(data.train_iter)['inputs'][0].tobytes() for _ in range(n)]
+  second = [next(data.train_iter)['inputs'][0].tobytes() for _ in range(n)]
+  assert len(set(first)) == n and set(first) == set(second) and first != second
+
+
+def test_val_batches_fixed_padded_and_disjoint():
+  data = synth_data(batch_size=16)
+  everything = data.val_batches()
+  assert len(everything) == -(-len(data.val_windows) // 16)
+  assert all(np.array_equal(x['inputs'], y['inputs'])
+             for x, y in zip(everything[:2], data.val_batches(2)))
+  last = everything[-1]
+  n_real = len(data.val_windows) - 16 * (len(everything) - 1)
+  assert last['mask'][:n_real].all() and not last['mask'][n_real:].any()
+  assert len(data.val_batches(10_000)) == len(everything)
+
+
+@needs_shared
+def test_tinystories_end_to_end_val_disjoint(tmp_path):
+  cfg = DataConfig(source='text', paths=str(TINY), max_docs=300, val_fraction=0.1)
+  data = pipeline.build(cfg, seq_len=64, batch_size=8, vocab_size=1024, workdir=tmp_path)
+  assert (tmp_path / 'tokenizer.json').is_file() and data.vocab_size <= 1024
+  batch = next(data.train_iter)
+  assert (batch['difficulty'] == -1).all() and batch['mask'].all()
+  docs = lambda w: data.tokenizer.decode(w.tokens_N).split('<|endoftext|>')[:-1]
+  train, val = docs(data.train_windows), docs(data.val_windows)
+  assert len(train) == 270 and len(val) == 30 == data.stats['val_docs']
+  assert not set(train) & set(val)
+  text = TINY.read_text('utf-8')
+  originals = [s.strip() for s in text.split('<|endoftext|>') if s.strip()][:300]
+  assert sorted(train + val) == sorted(originals)
+  assert 'tokenizer trained byte-level BPE' in data.describe()
+
+
+def test_too_short_errors(tmp_path):
+  (tmp_path / 'a.txt').write_text('tiny text<|endoftext|>x' * 2, encoding='utf-8')
+  cfg = DataConfig(source='text', paths=str(tmp_path / 'a.txt'))
+  with pytest.raises(DataError, match=r'train split has \d+ tokens.*seq_len\+1=513'):
+    pipeline.build(cfg, seq_len=512, batch_size=2, vocab_size=512, workdir=tmp_path)
+  (tmp_path / 'b.txt').write_text('long enough text ' * 200, encoding='utf-8')
+  (tmp_path / 'v.txt').write_text('x', encoding='utf-8')
+  cfg = DataConfig(source='text', paths=str(tmp_path / 'b.txt'), val_paths=str(tmp_path / 'v.txt'))
+  with pytest.raises(DataError, match='validation split has 2 tokens'):
+    pipeline.build(cfg, seq_len=64, batch_size=2, vocab_size=512)
+
+
+def test_bad_arguments_and_vocab():
+  with pytest.raises(DataError, match=r'\(31 tokens.*model.vocab_size=16'):
+    synth_data(vocab_size=16)
+  with pytest.raises(DataError, match='seq_len=0'):
+    synth_data(seq_len=0)
+  with pytest.raises(DataError, match='shard_index=2'):
+    synth_data(shard_index=2, shard_count=2)
+
+
+def test_shards_disjoint():
+  a = synth_data(batch_size=1, shard_index=0, shard_count=2)
+  b = synth_data(batch_size=1, shard_index=1, shard_count=2)
+  n = a.stats['train_windows'] // 2
+  rows = lambda d: {next(d.train_iter)['inputs'].tobytes() for _ in range(n)}
+  assert not rows(a) & rows(b)

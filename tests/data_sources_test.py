@@ -1,0 +1,192 @@
+"""Tests of the document sources (text files, hf, tfds) and their errors."""
+
+import json
+import pathlib
+import sys
+import time
+import types
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic_depth.config import DataConfig
+from elastic_depth.data import sources
+from elastic_depth.data.errors import DataError
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} absent')
+
+
+def text_cfg(paths, **kw):
+  return DataConfig(source='text', paths=str(paths), **kw)
+
+
+@needs_shared
+def test_tinystories_txt():
+  corpus = sources.load(text_cfg(SHARED / 'tinystories' / 'TinyStories-valid.first1000.txt',
+                                 max_docs=200, val_fraction=0.1))
+  assert len(corpus.train) == 180 and len(corpus.val) == 20
+  assert corpus.train[0].startswith('Spot. Spot saw the shiny car')
+  assert all('<|endoftext|>' not in d and d == d.strip() and d for d in corpus.train)
+
+
+@needs_shared
+def test_fineweb_jsonl_glob():
+  files = sorted((SHARED / 'fineweb_edu').glob('*.jsonl'))
+  first = json.loads(files[0].read_text(encoding='utf-8').splitlines()[0])['text'].strip()
+  corpus = sources.load(text_cfg(SHARED / 'fineweb_edu' / '*.part0.jsonl', max_docs=40))
+  assert len(corpus.train) + len(corpus.val) == 40
+  assert first in corpus.train + corpus.val
+
+
+def test_txt_jsonl_parquet_list_and_split(tmp_path):
+  (tmp_path / 'a.txt').write_text('one\n<|endoftext|>\n  \n<|endoftext|>two  ', encoding='utf-8')
+  (tmp_path / 'b.jsonl').write_text(
+      '{"text": "three"}\n\n{"text": "four", "x": 1}\n', encoding='utf-8')
+  pq.write_table(pa.table({'body': ['five', None, 'six'], 'n': [1, 2, 3]}),
+                 tmp_path / 'c.parquet')
+  pq.write_table(pa.table({'text': ['five', 'six']}), tmp_path / 'd.parquet')
+  cfg = text_cfg(f'{tmp_path}/a.txt, {tmp_path}/b.jsonl,{tmp_path}/d.parquet',
+                 val_fraction=0.34, seed=5)
+  corpus = sources.load(cfg)
+  assert sorted(corpus.train + corpus.val) == sorted(['one', 'two', 'three', 'four', 'five',
+                                                       'six'])
+  assert len(corpus.val) == 2 and not set(corpus.train) & set(corpus.val)
+  assert sources.load(cfg) == corpus
+  assert sources.read_documents(str(tmp_path / 'c.parquet'),
+                                DataConfig(text_field='body')) == ['five', 'six']
+
+
+def test_val_paths_and_directory(tmp_path):
+  (tmp_path / 'train').mkdir()
+  (tmp_path / 'train' / 'x.txt').write_text('a<|endoftext|>b<|endoftext|>c', encoding='utf-8')
+  (tmp_path / 'v.txt').write_text('z', encoding='utf-8')
+  corpus = sources.load(text_cfg(tmp_path / 'train', val_paths=str(tmp_path / 'v.txt')))
+  assert corpus.train == ['a', 'b', 'c'] and corpus.val == ['z']
+
+
+def test_split_deterministic_and_seeded():
+  docs = [f'doc {i}' for i in range(100)]
+  a = sources.holdout_split(docs, DataConfig(seed=0), 'x')
+  b = sources.holdout_split(docs, DataConfig(seed=0), 'x')
+  c = sources.holdout_split(docs, DataConfig(seed=1), 'x')
+  assert a == b and a.val != c.val and len(a.val) == 5
+  assert sorted(a.train + a.val) == sorted(docs)
+
+
+@pytest.mark.parametrize('name,content,match', [
+    ('empty.txt', b' \n<|endoftext|>\n ', 'empty corpus'),
+    ('bad.txt', b'hello \xff world', r'bad\.txt: not valid UTF-8 at byte offset 6'),
+    ('bad.jsonl', b'{"text": "a"}\n{"body": "b"}\n', r'bad\.jsonl:2: no string field'),
+    ('bad2.jsonl', b'{"text": ', r'bad2\.jsonl:1: invalid JSON'),
+    ('x.csv', b'a,b', 'unsupported file type'),
+    ('one.txt', b'only one document', 'at least 2'),
+])
+def test_file_errors(tmp_path, name, content, match):
+  (tmp_path / name).write_bytes(content)
+  with pytest.raises(DataError, match=match):
+    sources.load(text_cfg(tmp_path / name))
+
+
+def test_parquet_errors(tmp_path):
+  pq.write_table(pa.table({'body': ['a']}), tmp_path / 'p.parquet')
+  with pytest.raises(DataError, match=r"no column 'text'.*\['body'\]"):
+    sources.load(text_cfg(tmp_path / 'p.parquet'))
+  (tmp_path / 'q.parquet').write_bytes(b'not parquet')
+  with pytest.raises(DataError, match='not a readable parquet'):
+    sources.load(text_cfg(tmp_path / 'q.parquet'))
+
+
+def test_missing_paths(tmp_path):
+  with pytest.raises(DataError, match='no such file'):
+    sources.load(text_cfg(tmp_path / 'nope.txt'))
+  with pytest.raises(DataError, match='matches no file'):
+    sources.load(text_cfg(tmp_path / '*.jsonl'))
+  with pytest.raises(DataError, match='needs --config.data.paths'):
+    sources.load(DataConfig(source='text'))
+  with pytest.raises(DataError, match="data.source='csv' not in"):
+    sources.load(DataConfig(source='csv'))
+
+
+def test_hf_without_datasets_package(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'datasets', None)
+  with pytest.raises(DataError, match='pip install datasets'):
+    sources.load(DataConfig(source='hf', hf_name='HuggingFaceFW/fineweb-edu'))
+
+
+def fake_datasets(rows=None, error=None):
+  def load_dataset(name, config, split, streaming):
+    assert split == 'train' and streaming
+    if error:
+      raise error
+    return iter(rows)
+  return types.SimpleNamespace(load_dataset=load_dataset)
+
+
+def test_hf_offline(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'datasets', fake_datasets([]))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: False)
+  with pytest.raises(DataError, match='unreachable.*--config.data.source=text'):
+    sources.load(DataConfig(source='hf', hf_name='a/b'))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: True)
+  monkeypatch.setitem(sys.modules, 'datasets', fake_datasets(error=ConnectionError('dns')))
+  with pytest.raises(DataError, match='ConnectionError: dns.*unreachable'):
+    sources.load(DataConfig(source='hf', hf_name='a/b'))
+
+
+def test_hub_probe_fails_fast_offline(monkeypatch):
+  monkeypatch.setenv('HF_ENDPOINT', 'http://127.0.0.1:9')
+  start = time.time()
+  assert not sources.hub_reachable()
+  assert time.time() - start < 5
+
+
+def test_hf_streams_rows(monkeypatch):
+  rows = [{'text': f' doc {i} '} for i in range(30)] + [{'text': 'never read'}]
+  monkeypatch.setitem(sys.modules, 'datasets', fake_datasets(rows))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: True)
+  corpus = sources.load(DataConfig(source='hf', hf_name='a/b', max_docs=30, val_fraction=0.1))
+  assert sorted(corpus.train + corpus.val) == sorted(f'doc {i}' for i in range(30))
+  assert len(corpus.val) == 3
+  monkeypatch.setitem(sys.modules, 'datasets', fake_datasets([{'body': 'x'}]))
+  with pytest.raises(DataError, match="no field 'text'"):
+    sources.load(DataConfig(source='hf', hf_name='a/b'))
+
+
+def test_tfds_not_prepared(tmp_path):
+  cfg = DataConfig(source='tfds', tfds_name='tiny_shakespeare')
+  cfg.tfds_data_dir = str(tmp_path)  # keyword default until DataConfig has the field
+  start = time.time()
+  with pytest.raises(DataError, match='not prepared.*never downloads.*unreachable'):
+    sources.load(cfg)
+  assert time.time() - start < 10
+  with pytest.raises(DataError, match='needs --config.data.tfds_name'):
+    sources.load(DataConfig(source='tfds'))
+
+
+def test_tfds_local_array_record(tmp_path):
+  tfds = pytest.importorskip('tensorflow_datasets')
+
+  class ElasticDepthTinyText(tfds.core.GeneratorBasedBuilder):
+    """Tiny local text dataset."""
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+          builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples('t', 12),
+              'validation': self._generate_examples('v', 3)}
+
+    def _generate_examples(self, prefix, n):
+      for i in range(n):
+        yield i, {'text': f'{prefix} story {i}'}
+
+  ElasticDepthTinyText(data_dir=str(tmp_path), file_format='array_record').download_and_prepare()
+  cfg = DataConfig(source='tfds', tfds_name='elastic_depth_tiny_text')
+  cfg.tfds_data_dir = str(tmp_path)
+  corpus = sources.load(cfg)
+  assert sorted(corpus.train) == sorted(f't story {i}' for i in range(12))
+  assert sorted(corpus.val) == sorted(f'v story {i}' for i in range(3))

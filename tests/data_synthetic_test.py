@@ -1,0 +1,83 @@
+"""Tests of the synthetic k-hop variable-binding corpus."""
+
+import numpy as np
+import pytest
+
+from elastic_depth.config import DataConfig
+from elastic_depth.data import sources, synthetic
+from elastic_depth.data.errors import DataError
+
+
+def resolve(tokens):
+  """Brute force: (answer, hops) of the query by following bindings in the program text."""
+  query = tokens.index('?')
+  lines = ' '.join(tokens[:query]).split(';')
+  bindings = {}
+  for line in lines:
+    if line.strip():
+      lhs, rhs = (x.strip() for x in line.split('='))
+      assert lhs not in bindings
+      bindings[lhs] = rhs
+  name, hops = tokens[query + 1], 0
+  while not name.isdigit():
+    name, hops = bindings[name], hops + 1
+  return name, hops
+
+
+def test_difficulty_matches_brute_force_hops():
+  train, _, vocab = synthetic.load(300, 6, 16, seed=3, val_fraction=0.1)
+  hop_counts = set()
+  for ids, diff in zip(train.ids, train.difficulty):
+    tokens = vocab.decode(ids).split()
+    assert len(tokens) == len(diff)
+    answer, hops = resolve(tokens)
+    query = tokens.index('?')
+    assert tokens[query + 3] == answer and tokens[query + 4] == '.'
+    assert diff[query + 3] == hops
+    hop_counts.add(hops)
+    for t, d in zip(tokens[:query + 3] + tokens[query + 4:],
+                    list(diff[:query + 3]) + list(diff[query + 4:])):
+      assert d == (synthetic.FORMAT if t in synthetic.FORMAT_TOKENS else synthetic.RANDOM), t
+  assert hop_counts == set(range(1, 7))
+
+
+def test_vocab_small_and_round_trip():
+  _, val, vocab = synthetic.load(50, 6, 16, seed=0, val_fraction=0.2)
+  assert vocab.vocab_size == 5 + 10 + 16 < 64
+  assert vocab.id_to_token(vocab.eos_id) == synthetic.EOS
+  docs = val.docs(vocab)
+  for ids, back in zip(val.ids, vocab.encode_batch(docs)):
+    np.testing.assert_array_equal(ids, back)
+
+
+def test_deterministic_and_seed_dependent():
+  a, _, _ = synthetic.load(100, 4, 8, seed=1, val_fraction=0.1)
+  b, _, _ = synthetic.load(100, 4, 8, seed=1, val_fraction=0.1)
+  c, _, _ = synthetic.load(100, 4, 8, seed=2, val_fraction=0.1)
+  assert all(np.array_equal(x, y) for x, y in zip(a.ids, b.ids))
+  assert not all(np.array_equal(x, y) for x, y in zip(a.ids, c.ids))
+
+
+def test_val_disjoint_from_train():
+  train, val, vocab = synthetic.load(2000, 2, 3, seed=0, val_fraction=0.1)
+  seen = set(train.docs(vocab))
+  assert len(val.ids) == 200
+  assert not seen & set(val.docs(vocab))
+
+
+@pytest.mark.parametrize('hops,num_vars,n', [(0, 8, 10), (6, 5, 10), (2, 60, 10), (2, 4, 0)])
+def test_bad_settings(hops, num_vars, n):
+  with pytest.raises(DataError, match='synth_'):
+    synthetic.load(n, hops, num_vars, seed=0, val_fraction=0.1)
+
+
+def test_too_few_distinct_programs():
+  with pytest.raises(DataError, match='distinct programs'):
+    synthetic.load(500, 1, 1, seed=0, val_fraction=0.1)
+
+
+def test_synthetic_source_strings():
+  corpus = sources.load(DataConfig(synth_examples=100, val_fraction=0.1))
+  assert len(corpus.train) == 100 and len(corpus.val) == 10
+  assert not set(corpus.train) & set(corpus.val)
+  assert all(doc.split()[-1] == '.' and '?' in doc.split() for doc in corpus.train)

@@ -1,0 +1,110 @@
+"""Tests of tokenizer training/loading and token classes."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from elastic_depth.data import synthetic
+from elastic_depth.data import tokenizer as tokenizer_lib
+from elastic_depth.data.errors import DataError
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} absent')
+GPT2 = SHARED / 'tokenizers' / 'gpt2'
+DOCS = [f'The {w} cat number {i} sat on the mat, said "hello" {i * 7}.'
+        for i in range(200) for w in ('big', 'small', 'red')]
+
+
+def stories(n):
+  text = (SHARED / 'tinystories' / 'TinyStories-valid.first1000.txt').read_text('utf-8')
+  return [s.strip() for s in text.split('<|endoftext|>') if s.strip()][:n]
+
+
+def test_train_saves_reuses_and_is_deterministic(tmp_path):
+  tok = tokenizer_lib.get('train', DOCS, 400, tmp_path)
+  assert tok.vocab_size <= 400 and tok.id_to_token(tok.eos_id) == '<|endoftext|>'
+  assert (tmp_path / 'tokenizer.json').is_file()
+  again = tokenizer_lib.get('train', ['other text entirely'], 400, tmp_path)
+  assert again.tok.get_vocab() == tok.tok.get_vocab()
+  fresh = tokenizer_lib.get('train', DOCS, 400, None)
+  assert fresh.tok.get_vocab() == tok.tok.get_vocab()
+  ids = tok.encode_batch(DOCS[:3])
+  assert all(x.dtype == np.int32 and x.max() < tok.vocab_size for x in ids)
+  assert [tok.decode(x) for x in ids] == DOCS[:3]
+  assert tok.encode_batch(['a<|endoftext|>b'])[0].tolist().count(tok.eos_id) == 1
+
+
+@needs_shared
+def test_train_on_tinystories(tmp_path):
+  docs = stories(300)
+  tok = tokenizer_lib.get('train', docs, 1024, tmp_path)
+  assert tok.vocab_size == 1024
+  ids = tok.encode_batch(docs[:20])
+  assert [tok.decode(x) for x in ids] == docs[:20]
+  assert sum(map(len, ids)) < 0.5 * sum(map(len, docs[:20]))
+  loaded = tokenizer_lib.get(str(tmp_path / 'tokenizer.json'), [], 1024)
+  assert loaded.encode_batch(docs[:1])[0].tolist() == ids[0].tolist()
+
+
+@needs_shared
+def test_gpt2_files():
+  tok = tokenizer_lib.get(str(GPT2), [], 50304)
+  assert tok.vocab_size == 50257 and tok.eos_id == 50256
+  line = (SHARED / 'fineweb_edu' / 'fineweb-edu.sample-350BT.part0.jsonl').open().readline()
+  doc = json.loads(line)['text'][:2000]
+  ids = tok.encode_batch([doc, 'Hello world'])
+  assert tok.decode(ids[0]) == doc
+  assert ids[1].tolist() == [15496, 995]  # GPT-2 ids of 'Hello', ' world'
+  assert tok.encode_batch(['x<|endoftext|>'])[0].tolist()[-1] == 50256
+
+
+@needs_shared
+def test_vocab_larger_than_model():
+  with pytest.raises(DataError, match=r'\(50257 tokens.*model.vocab_size=512'):
+    tokenizer_lib.get(str(GPT2), [], 512)
+
+
+def test_bpe_needs_byte_alphabet():
+  with pytest.raises(DataError, match='at least 257 tokens but model.vocab_size=100'):
+    tokenizer_lib.get('train', DOCS, 100)
+
+
+def test_bad_paths(tmp_path):
+  with pytest.raises(DataError, match='neither tokenizer.json'):
+    tokenizer_lib.get(str(tmp_path), [], 512)
+  (tmp_path / 'junk.json').write_text('{}')
+  with pytest.raises(DataError, match='not a readable tokenizer.json'):
+    tokenizer_lib.get(str(tmp_path / 'junk.json'), [], 512)
+
+
+def test_hub_unreachable(monkeypatch, tmp_path):
+  monkeypatch.setattr(tokenizer_lib.sources, 'hub_reachable', lambda: False)
+  monkeypatch.setenv('HF_HUB_CACHE', str(tmp_path))
+  with pytest.raises(DataError, match='unreachable.*--config.data.source=text'):
+    tokenizer_lib.get('no-such-org/no-such-tokenizer', [], 512)
+
+
+def test_classify():
+  c = tokenizer_lib.classify
+  assert c(' ') == c('\n\n') == tokenizer_lib.TokenClass.WHITESPACE
+  assert c(',') == c(' "') == c('.') == tokenizer_lib.TokenClass.PUNCTUATION
+  assert c(' 42') == c('7') == tokenizer_lib.TokenClass.NUMERAL
+  assert c(' cat') == c("'s") == c('Lily') == tokenizer_lib.TokenClass.WORD
+  assert c('\ufffd') == c('3rd') == c('') == tokenizer_lib.TokenClass.OTHER
+
+
+def test_token_classes_cached_and_special():
+  tok = tokenizer_lib.get('train', DOCS, 400)
+  ids = tok.encode_batch(['The cat, 42 sat'])[0]
+  classes = tokenizer_lib.token_classes(tok, ids[None])
+  assert classes.shape == (1, len(ids)) and classes.dtype == np.int32
+  names = [tokenizer_lib.TOKEN_CLASS_NAMES[k] for k in classes[0]]
+  assert names[0] == 'word' and 'punctuation' in names and 'numeral' in names
+  assert tokenizer_lib.class_table(tok) is tokenizer_lib.class_table(tok)
+  assert tokenizer_lib.token_classes(tok, [tok.eos_id]) == [tokenizer_lib.TokenClass.OTHER]
+  vocab = synthetic.SyntheticVocab(4)
+  table = tokenizer_lib.class_table(vocab)
+  assert [tokenizer_lib.TOKEN_CLASS_NAMES[k] for k in table[[0, 1, 5, 15]]] == [
+      'other', 'punctuation', 'numeral', 'word']

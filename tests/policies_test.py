@@ -1,0 +1,163 @@
+"""Tests for depth sampling (policies.sample_depth / draw_bucket / bucket_index) and helpers."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_depth import config as config_lib
+from elastic_depth import policies
+
+N_DRAWS = 20_000
+
+
+def numpy_depths(rng, n, mean, sigma, r_max):
+  """Monte-Carlo of the documented law: r = Poisson(e^tau) + 1, tau ~ N(mu, sigma)."""
+  mu = math.log(mean - 1.0) - sigma ** 2 / 2
+  tau = rng.normal(mu, sigma, n)
+  return np.clip(rng.poisson(np.exp(tau)) + 1, 1, r_max)
+
+
+def nearest_bucket(r, buckets):
+  """Brute force: the bucket at minimal |b - r|, the deeper one on a tie."""
+  best = None
+  for b in buckets:
+    d = abs(float(b) - float(r))
+    if best is None or d < best[0] or (d == best[0] and b > best[1]):
+      best = (d, b)
+  return best[1]
+
+
+@pytest.fixture(scope='module')
+def wide_cfg():
+  """mean 8, sigma 0.5, no clipping in practice (r_max far in the tail)."""
+  return config_lib.DepthConfig(mean=8.0, sigma=0.5, r_max=10_000,
+                                buckets=(1, 2, 4, 6, 8, 12, 16, 24, 32, 10_000))
+
+
+@pytest.fixture(scope='module')
+def wide_draws(wide_cfg):
+  return policies.bucket_frequencies(0, N_DRAWS, wide_cfg)
+
+
+def test_empirical_mean_matches_config(wide_cfg, wide_draws):
+  r, _ = wide_draws
+  m, s = wide_cfg.mean, wide_cfg.sigma
+  # r - 1 ~ Poisson(lam), lam log-normal with E[lam] = m - 1:
+  # Var r = E[lam] + Var lam = (m - 1) + (m - 1)^2 (e^{s^2} - 1).
+  var = (m - 1) + (m - 1) ** 2 * math.expm1(s ** 2)
+  se = math.sqrt(var / len(r))
+  assert r.max() < wide_cfg.r_max  # no clipping happened
+  assert abs(r.mean() - m) < 5 * se, (r.mean(), m, se)
+  assert abs(r.var() / var - 1) < 0.1  # loose: the 4th moment of a log-normal is heavy
+
+
+@pytest.mark.parametrize('mean,sigma,r_max', [(8.0, 0.5, 10_000), (4.0, 0.0, 10_000),
+                                              (3.0, 1.0, 6)])
+def test_distribution_matches_numpy_monte_carlo(mean, sigma, r_max):
+  cfg = config_lib.DepthConfig(mean=mean, sigma=sigma, r_max=r_max,
+                               buckets=tuple(range(1, r_max + 1)) if r_max < 100
+                               else (1, r_max))
+  r, _ = policies.bucket_frequencies(1, N_DRAWS, cfg)
+  ref = numpy_depths(np.random.default_rng(0), 10 * N_DRAWS, mean, sigma, r_max)
+  assert r.min() >= 1 and r.max() <= r_max
+  support = np.arange(1, max(r.max(), ref.max()) + 1)
+  cdf = np.searchsorted(np.sort(r), support, side='right') / len(r)
+  cdf_ref = np.searchsorted(np.sort(ref), support, side='right') / len(ref)
+  # Two-sample Kolmogorov-Smirnov at alpha = 0.001 (conservative for discrete laws).
+  n, m = len(r), len(ref)
+  crit = 1.95 * math.sqrt((n + m) / (n * m))
+  assert np.abs(cdf - cdf_ref).max() < crit
+  if r_max < 100:  # the clipped mass piles up at r_max
+    p_top = np.mean(ref == r_max)
+    assert p_top > 0.05
+    assert abs(np.mean(r == r_max) - p_top) < 5 * math.sqrt(p_top * (1 - p_top) / n)
+
+
+def test_mean_at_most_one_is_depth_one():
+  cfg = config_lib.DepthConfig(mean=1.0, sigma=0.5, r_max=8, buckets=(1, 2, 4, 8))
+  r, depth = policies.bucket_frequencies(0, 100, cfg)
+  np.testing.assert_array_equal(r, 1)
+  np.testing.assert_array_equal(depth, 1)
+
+
+@pytest.mark.parametrize('buckets', [(1, 2, 4, 8, 16, 32), (1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
+                                                            14, 16, 20, 24, 32), (3, 9)])
+def test_bucket_frequencies_are_nearest_rounding(buckets):
+  cfg = config_lib.DepthConfig(mean=8.0, sigma=0.7, r_max=32, buckets=buckets)
+  r, depth = policies.bucket_frequencies(2, 5000, cfg)
+  want = np.array([nearest_bucket(x, buckets) for x in r])
+  np.testing.assert_array_equal(depth, want)  # draw by draw
+  for b in buckets:  # hence also the frequencies
+    assert np.mean(depth == b) == np.mean(want == b)
+  ties = [x for x in set(r.tolist()) if any(abs(b1 - x) == abs(b2 - x)
+                                            for b1 in buckets for b2 in buckets if b1 < b2)]
+  if buckets[0] == 1 and len(buckets) == 6:
+    assert ties  # powers of two: r = 3, 6, 12, 24 are ties; the test covers them
+
+
+def test_bucket_index_against_brute_force():
+  rng = np.random.default_rng(3)
+  for buckets in [(1,), (1, 2, 4, 8, 16, 32), (1, 3, 4, 10, 11, 30), (2, 5, 6, 50)]:
+    rs = np.concatenate([np.arange(0, 60), rng.uniform(0, 60, 50)])
+    got = jax.vmap(lambda r: policies.bucket_index(r, buckets))(jnp.asarray(rs))
+    for r, i in zip(rs, np.asarray(got)):
+      assert buckets[i] == nearest_bucket(np.float32(r), buckets), (r, buckets)
+    assert got.dtype == jnp.int32
+
+
+def test_draw_is_a_pure_function_of_seed_and_step(wide_cfg, wide_draws):
+  key = jax.random.key(0)
+  r, depth = wide_draws
+  jitted = jax.jit(lambda s: policies.draw_bucket(key, s, wide_cfg))
+  for step in (0, 1, 17, 4321, N_DRAWS - 1):
+    r1, i1 = policies.draw_bucket(key, step, wide_cfg)
+    r2, i2 = policies.draw_bucket(jax.random.key(0), jnp.int32(step), wide_cfg)
+    r3, i3 = jitted(jnp.int32(step))
+    assert int(r1) == int(r2) == int(r3) == r[step]  # the vmapped draw is the same draw
+    assert int(i1) == int(i2) == int(i3)
+    assert wide_cfg.buckets[int(i1)] == depth[step]
+  r_again, depth_again = policies.bucket_frequencies(0, N_DRAWS, wide_cfg)
+  np.testing.assert_array_equal(r_again, r)
+  np.testing.assert_array_equal(depth_again, depth)
+  assert len(np.unique(r[:50])) > 3  # different steps differ
+  r_other, _ = policies.bucket_frequencies(1, N_DRAWS, wide_cfg)
+  assert np.mean(r_other != r) > 0.5  # a different seed gives different draws
+  # Consecutive steps are not correlated (the step is folded in, not added to a counter).
+  assert abs(np.corrcoef(r[:-1], r[1:])[0, 1]) < 5 / math.sqrt(N_DRAWS)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_relative_change_against_numpy(dtype):
+  rng = np.random.default_rng(4)
+  new = jnp.asarray(rng.normal(size=(3, 5, 16)), dtype)
+  old = jnp.asarray(rng.normal(size=(3, 5, 16)) * np.array([0.0, 1e-3, 1.0])[:, None, None]
+                    + np.asarray(new, np.float64), dtype)
+  a, b = np.asarray(new, np.float64), np.asarray(old, np.float64)
+  want = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(a, axis=-1)
+  got = policies.relative_change(new, old)
+  assert got.dtype == jnp.float32 and got.shape == (3, 5)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(got)[0], 0.0)  # identical states
+  assert float(policies.relative_change(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4)))) == 0.0
+
+
+def test_state_delta_check_fn():
+  """The STATE_DELTA criterion fires where relative_change < eps, never at loop 1."""
+  check, carry0 = policies.make_check_fn('state_delta', eps=1e-2)
+  rng = np.random.default_rng(5)
+  new = rng.normal(size=(2, 4, 8))
+  scale = np.array([[0.0, 1e-4, 0.5, 2.0], [1e-1, 1e-3, 0.0, 1.0]])[..., None]
+  old = new + scale * rng.normal(size=(2, 4, 8))
+  s_new, s_old = jnp.asarray(new, jnp.float32), jnp.asarray(old, jnp.float32)
+  rel = np.linalg.norm(new - old, axis=-1) / np.linalg.norm(new, axis=-1)
+  carry = carry0(s_new)
+  want_exit, _, stats = check(s_new, s_old, carry, jnp.int32(2))
+  np.testing.assert_array_equal(np.asarray(want_exit), rel < 1e-2)
+  assert stats == {}
+  assert 0 < np.sum(rel < 1e-2) < rel.size
+  first, _, _ = check(s_new, s_old, carry, jnp.int32(1))
+  assert not np.any(np.asarray(first))

@@ -1,0 +1,286 @@
+"""Tests for elastic_depth.recurrence: bucketed/fixed scans on the real core, early exit on toys."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import model as model_lib
+from elastic_depth import recurrence
+from elastic_depth import train as train_lib
+
+BUCKETS = (1, 2, 3, 5)
+BACKPROP_DEPTH = 2
+
+# ----------------------------------------------------------------------------
+# Bucketed / fixed depth on the model's core step.
+
+
+@pytest.fixture(scope='module')
+def core(model_cfg):
+  """(graphdef, params, loss_of(params, run)) on a tiny model; run(step_fn, s0) -> s."""
+  mdl = model_lib.LoopedLM(model_cfg, nnx.Rngs(0))
+  graphdef, state = nnx.split(mdl, nnx.Param)
+  params = state.to_pure_dict()
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (2, 8)), jnp.int32)
+  proj = jnp.asarray(rng.normal(size=(2, 8, model_cfg.d_model)), jnp.float32)
+
+  def loss_of(params, run):
+    mdl = train_lib.bind(graphdef, params)
+    pos = model_lib.positions(tokens)
+    e, _ = mdl.encode(tokens, pos)
+    s0 = mdl.initial_state(e, jax.random.key(1))
+    s = run(lambda s: mdl.core_step(s, e, pos)[0], s0)
+    return jnp.sum(s * proj)  # a random linear read-out of the final state
+
+  return graphdef, params, loss_of
+
+
+@pytest.fixture(scope='module')
+def bucketed_vg(core):
+  """Jitted (params, idx) -> (value, grad) through bucketed_depth; idx is traced."""
+  _, _, loss_of = core
+
+  def make(backprop_depth):
+    def f(params, idx):
+      run = lambda step, s0: recurrence.bucketed_depth(
+          step, s0, idx, BUCKETS, backprop_depth=backprop_depth)
+      return jax.value_and_grad(loss_of)(params, run)
+    return jax.jit(f)
+  return {0: make(0), BACKPROP_DEPTH: make(BACKPROP_DEPTH)}
+
+
+@pytest.fixture(scope='module')
+def unrolled_vg(core):
+  """Reference: a Python loop of n steps, the first `frozen` under stop_gradient.
+
+  Run op by op (not jitted): compiling unrolled loops costs far more than running them.
+  """
+  _, _, loss_of = core
+
+  def f(params, n, frozen):
+    def run(step, s):
+      for _ in range(frozen):
+        s = step(s)
+      s = jax.lax.stop_gradient(s) if frozen else s
+      for _ in range(n - frozen):
+        s = step(s)
+      return s
+    return jax.value_and_grad(loss_of)(params, run)
+  return f
+
+
+def assert_tree_close(a, b, tol=1e-5):
+  """Leaf-wise closeness; the absolute tolerance is relative to each leaf's scale."""
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    y = np.asarray(y)
+    np.testing.assert_allclose(np.asarray(x), y, rtol=tol,
+                               atol=tol * max(float(np.abs(y).max()), 1e-30),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def max_tree_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in
+             zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize('idx', range(len(BUCKETS)))
+def test_bucketed_depth_equals_unrolled_loop(core, bucketed_vg, unrolled_vg, idx):
+  _, params, _ = core
+  val, grad = bucketed_vg[0](params, jnp.int32(idx))
+  want_val, want_grad = unrolled_vg(params, BUCKETS[idx], 0)
+  np.testing.assert_allclose(float(val), float(want_val), rtol=1e-5)
+  assert_tree_close(grad, want_grad)
+
+
+@pytest.mark.parametrize('idx', range(len(BUCKETS)))
+def test_backprop_depth_truncates_gradient(core, bucketed_vg, unrolled_vg, idx):
+  _, params, _ = core
+  b = BUCKETS[idx]
+  val, grad = bucketed_vg[BACKPROP_DEPTH](params, jnp.int32(idx))
+  frozen = max(b - BACKPROP_DEPTH, 0)
+  want_val, want_grad = unrolled_vg(params, b, frozen)
+  full_val, full_grad = unrolled_vg(params, b, 0)
+  np.testing.assert_allclose(float(val), float(want_val), rtol=1e-5)
+  np.testing.assert_allclose(float(val), float(full_val), rtol=1e-5)  # forward unchanged
+  assert_tree_close(grad, want_grad)
+  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(full_grad))
+  if b > BACKPROP_DEPTH:
+    assert max_tree_diff(grad, full_grad) > 1e-3 * scale
+  else:
+    assert_tree_close(grad, full_grad)
+
+
+def test_bucketed_depth_compiles_once_for_every_bucket(core, bucketed_vg):
+  _, params, _ = core
+  f = bucketed_vg[0]
+  vals = [float(f(params, jnp.int32(i))[0]) for i in range(len(BUCKETS))]
+  assert len(set(vals)) == len(BUCKETS)  # every branch really ran a different depth
+  assert f._cache_size() == 1  # pylint: disable=protected-access
+
+
+def test_single_bucket_skips_switch(core, unrolled_vg):
+  _, params, loss_of = core
+  f = jax.jit(lambda p, i: loss_of(p, lambda st, s0: recurrence.bucketed_depth(
+      st, s0, i, (3,))))
+  np.testing.assert_allclose(float(f(params, jnp.int32(0))),
+                             float(unrolled_vg(params, 3, 0)[0]), rtol=1e-5)
+
+
+def test_fixed_depth_remat_matches_plain(core, unrolled_vg):
+  _, params, loss_of = core
+  vg = lambda remat: jax.jit(jax.value_and_grad(lambda p: loss_of(
+      p, lambda st, s0: recurrence.fixed_depth(st, s0, 3, remat=remat))))(params)
+  (v1, g1), (v2, g2) = vg(True), vg(False)
+  np.testing.assert_allclose(float(v1), float(v2), rtol=1e-6)
+  assert_tree_close(g1, g2)
+  want_v, want_g = unrolled_vg(params, 3, 0)
+  np.testing.assert_allclose(float(v1), float(want_v), rtol=1e-5)
+  assert_tree_close(g1, want_g)
+
+
+def test_fixed_and_dynamic_depth_toy():
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)) * 0.5, jnp.float32)
+  step = lambda s: jnp.tanh(s @ a + 0.1)
+  s0 = jnp.linspace(-1.0, 1.0, 4)
+  for n in (0, 1, 4):
+    want = np.asarray(s0, np.float64)
+    for _ in range(n):
+      want = np.tanh(want @ np.asarray(a, np.float64) + 0.1)
+    np.testing.assert_allclose(np.asarray(recurrence.fixed_depth(step, s0, n)), want,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(recurrence.dynamic_depth(step, s0, jnp.int32(n))), want, rtol=1e-5,
+        atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Early exit with toy closures (no model).
+#
+# Each token's state grows by 1 per loop until its first channel (a counter)
+# reaches a per-token convergence step c; from then on the state no longer
+# changes. The criterion "state did not change" thus first fires at loop c + 1.
+# All values are small integers, so float32 arithmetic is exact and the frozen
+# states can be compared bitwise.
+
+B, L, D = 3, 5, 4
+
+
+def toy_problem(seed, c_max=6):
+  rng = np.random.default_rng(seed)
+  conv = rng.integers(0, c_max + 1, (B, L)).astype(np.float32)
+  s0 = rng.integers(-50, 50, (B, L, D)).astype(np.float32)
+  s0[..., 0] = 0.0
+  return conv, s0
+
+
+def toy_closures(conv, want_fn=None):
+  conv = jnp.asarray(conv)
+
+  def masked_step(s, kv, active):
+    grow = (s[..., :1] < conv[..., None]).astype(s.dtype)
+    return s + grow, kv + active.astype(jnp.int32)  # kv counts the loops run as active
+
+  def check(s_new, s_old, carry, i):
+    if want_fn is None:
+      want = jnp.all(s_new == s_old, axis=-1)
+    else:
+      want = want_fn(s_new, i)
+    return want, carry + 1, {'counter': s_new[..., 0], 'loop': jnp.full((B, L), i)}
+
+  return masked_step, check
+
+
+def reference_early_exit(conv, s0, want_fn, min_loops, max_loops, check_every, active0):
+  """Brute-force per-token simulation of the documented semantics."""
+  depth = np.zeros((B, L), np.int64)
+  final = s0.copy()
+  for bi, ti in itertools.product(range(B), range(L)):
+    if not active0[bi, ti]:
+      continue
+    s = s0[bi, ti].copy()
+    for i in range(1, max_loops + 1):
+      new = s + (1.0 if s[0] < conv[bi, ti] else 0.0)
+      depth[bi, ti] = i
+      want = want_fn(new, s, i)
+      s = new
+      consult = i >= min_loops and (i - min_loops) % check_every == 0
+      if consult and want:
+        break
+    final[bi, ti] = s
+  return depth, final
+
+
+@pytest.mark.parametrize('min_loops,max_loops,check_every', [
+    (1, 10, 1), (3, 10, 1), (1, 10, 3), (2, 9, 2), (2, 4, 1), (1, 1, 1)])
+def test_early_exit_matches_brute_force(min_loops, max_loops, check_every):
+  conv, s0 = toy_problem(min_loops * 100 + max_loops * 10 + check_every)
+  active0 = np.ones((B, L), bool)
+  active0[0, -2:] = False  # e.g. padding
+  masked_step, check = toy_closures(conv)
+  out = jax.jit(lambda s, kv: recurrence.early_exit(
+      masked_step, check, s, kv, jnp.int32(0), min_loops=min_loops, max_loops=max_loops,
+      check_every=check_every, active0=jnp.asarray(active0), trace=True))(
+          jnp.asarray(s0), jnp.zeros((B, L), jnp.int32))
+  want_depth, want_state = reference_early_exit(
+      conv, s0, lambda new, old, i: np.all(new == old), min_loops, max_loops, check_every,
+      active0)
+  np.testing.assert_array_equal(np.asarray(out.depth), want_depth)
+  np.testing.assert_array_equal(np.asarray(out.state), want_state)  # bitwise
+  np.testing.assert_array_equal(np.asarray(out.kv), want_depth)  # active mask seen by step
+  assert int(out.loops) == want_depth.max()
+  assert want_depth.max() <= max_loops
+  # Traces: row i-1 holds the counters after loop i; rows past the last loop are zeros.
+  traces = np.asarray(out.traces['counter'])
+  assert traces.shape == (max_loops, B, L)
+  counters = np.zeros((B, L), np.float32)
+  for i in range(1, int(out.loops) + 1):
+    counters = np.where((want_depth >= i) & (counters < conv), counters + 1, counters)
+    np.testing.assert_array_equal(traces[i - 1], counters)
+  np.testing.assert_array_equal(np.asarray(out.traces['loop'])[int(out.loops):], 0)
+
+
+def test_early_exit_really_exits_early():
+  """The brute-force comparison is not vacuous: depths vary across tokens."""
+  conv, s0 = toy_problem(0)
+  masked_step, check = toy_closures(conv)
+  out = recurrence.early_exit(masked_step, check, jnp.asarray(s0),
+                              jnp.zeros((B, L), jnp.int32), jnp.int32(0), min_loops=1,
+                              max_loops=20)
+  np.testing.assert_array_equal(np.asarray(out.depth), conv.astype(np.int64) + 1)
+  assert len(np.unique(np.asarray(out.depth))) > 2
+  np.testing.assert_array_equal(np.asarray(out.traces['counter']).shape, (0, B, L))
+
+
+@pytest.mark.parametrize('check_every', [1, 3])
+def test_early_exit_never_and_always(check_every):
+  conv, s0 = toy_problem(1)
+  never = toy_closures(conv, lambda s, i: jnp.zeros((B, L), bool))
+  always = toy_closures(conv, lambda s, i: jnp.ones((B, L), bool))
+  args = (jnp.asarray(s0), jnp.zeros((B, L), jnp.int32), jnp.int32(0))
+  out = recurrence.early_exit(*never, *args, min_loops=2, max_loops=7,
+                              check_every=check_every)
+  np.testing.assert_array_equal(np.asarray(out.depth), 7)
+  assert int(out.loops) == 7
+  out = recurrence.early_exit(*always, *args, min_loops=4, max_loops=9,
+                              check_every=check_every)
+  np.testing.assert_array_equal(np.asarray(out.depth), 4)
+  assert int(out.loops) == 4
+  # the state of every token ran exactly min_loops loops
+  _, want_state = reference_early_exit(conv, s0, lambda *_: True, 4, 9, check_every,
+                                       np.ones((B, L), bool))
+  np.testing.assert_array_equal(np.asarray(out.state), want_state)
+
+
+def test_early_exit_all_inactive_runs_nothing():
+  conv, s0 = toy_problem(2)
+  out = recurrence.early_exit(*toy_closures(conv), jnp.asarray(s0),
+                              jnp.zeros((B, L), jnp.int32), jnp.int32(0), min_loops=1,
+                              max_loops=5, active0=jnp.zeros((B, L), bool))
+  assert int(out.loops) == 0
+  np.testing.assert_array_equal(np.asarray(out.depth), 0)
+  np.testing.assert_array_equal(np.asarray(out.state), s0)
