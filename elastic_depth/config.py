@@ -80,6 +80,7 @@ class DataConfig:
   hf_name: str = ''          # e.g. HuggingFaceFW/fineweb-edu
   hf_config: str = ''        # e.g. sample-10BT
   tfds_name: str = ''
+  tfds_data_dir: str = ''    # where the TFDS dataset was prepared (array_record)
   tokenizer: str = 'train'   # 'train' (byte-level BPE on the corpus), a path, or a hub name
   val_fraction: float = 0.05
   max_docs: int = 0          # 0: all
@@ -127,6 +128,8 @@ class ExitConfig:
   min_loops: int = 1
   max_loops: int = 32
   check_every: int = 1
+  gate: float = 0.0          # decode: run the KL check only when the relative state
+                             # change is below this (0: check every eligible loop)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
 
 
@@ -193,6 +196,8 @@ def validate(cfg: Config) -> None:
   if not 1 <= e.min_loops <= e.max_loops:
     raise ConfigError(f'exit.min_loops={e.min_loops} must be in [1, exit.max_loops='
                       f'{e.max_loops}]')
+  if not e.gate >= 0:
+    raise ConfigError(f'exit.gate={e.gate} must be >= 0')
   if e.check_every < 1:
     raise ConfigError(f'exit.check_every={e.check_every} must be >= 1')
 

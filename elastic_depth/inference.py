@@ -145,10 +145,33 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
   return cache, res.logits[:, -1], res.depth
 
 
+def _pair_cached(cache_kv, pos):
+  """kv_fn for two queries at one position (states of loops i-1 and i) over the cache."""
+  def fn(k, v):  # k, v: [B, 2, G, K]
+    ks = jnp.concatenate([cache_kv[0], k.astype(cache_kv[0].dtype)], axis=1)
+    vs = jnp.concatenate([cache_kv[1], v.astype(cache_kv[1].dtype)], axis=1)
+    s = cache_kv[0].shape[1]
+    old = jnp.broadcast_to(jnp.arange(s) < pos, (2, s))
+    return ks, vs, jnp.concatenate([old, jnp.eye(2, dtype=bool)], axis=1)[None, None]
+  return fn
+
+
+def _kl_rows(logits_new_BxV, logits_old_BxV):
+  """KL(p_new || p_old) per row, fp32, from logits."""
+  a = jax.nn.log_softmax(logits_new_BxV.astype(jnp.float32), -1)
+  b = jax.nn.log_softmax(logits_old_BxV.astype(jnp.float32), -1)
+  return jnp.maximum(jnp.sum(jnp.exp(a) * (a - b), -1), 0.0)
+
+
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
                 router=None):
-  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B)."""
-  c = model.cfg
+  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B).
+
+  For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
+  pass over the coda and head (one weight read for both), runs only when the
+  relative state change is below cfg.gate (when cfg.gate > 0), and the logits of a
+  successful check are the token's output, so the final readout costs nothing extra.
+  """
   tok = token_B[:, None]
   pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
   e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
@@ -159,18 +182,72 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     return model.core_step(s, e, pos_Bx1, fns)
 
   def readout(s):
-    return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])[0]
+    return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
 
-  check_fn, carry0 = policies.make_check_fn(
-      cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
-      router=router, use_kernel=cfg.use_kernel)
-  res = recurrence.early_exit(masked_step, check_fn, s0, cache.core, carry0(s0),
+  fast = ExitPolicy(cfg.policy) == ExitPolicy.KL and router is None
+  if fast:
+    check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
+  else:
+    check_fn, carry0 = policies.make_check_fn(
+        cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
+        w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel)
+    carry = carry0(s0)
+  res = recurrence.early_exit(masked_step, check_fn, s0, cache.core, carry,
                               min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
-                              check_every=cfg.check_every)
-  h, coda_kv = model.decode_state(res.state, pos_Bx1,
-                                  [_cached(kv, pos) for kv in cache.coda])
-  logits = model.logits(h)[:, 0]
-  return logits, Cache(pre_kv, list(res.kv), coda_kv), res.depth[:, 0]
+                              check_every=cfg.check_every, return_check=True)
+
+  def final_readout(_):
+    h, coda_kv = readout(res.state)
+    take = lambda x: lax.dynamic_slice_in_dim(x, pos, 1, 1)
+    return model.logits(h)[:, 0], [(take(k), take(v)) for k, v in coda_kv]
+  if fast:
+    logits_c, kv_c, fresh = res.check
+    logits, new_kv = lax.cond(jnp.all(fresh), lambda _: (logits_c, kv_c), final_readout,
+                              None)
+  else:
+    logits, new_kv = final_readout(None)
+  coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
+  return logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0]
+
+
+def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: int):
+  """The decode-time A1 check: carry = (logits_BxV, coda (k, v) of the token, fresh_B)."""
+  c = model.cfg
+  pos_Bx2 = jnp.full((batch, 2), pos, jnp.int32)
+
+  def pair(s_old, s_new):
+    x = jnp.concatenate([s_old, s_new], axis=1)  # [B, 2, D]: loop i-1 and loop i
+    h, kvs = model.decode_state(x, pos_Bx2, [_pair_cached(kv, pos) for kv in cache.coda])
+    logits = model.logits(h)
+    n = cache.coda[0][0].shape[1] if cache.coda else 0
+    kv_new = [(k[:, n + 1:n + 2], v[:, n + 1:n + 2]) for k, v in kvs]
+    return _kl_rows(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
+
+  def check_fn(s_new, s_old, carry, i, active_Bx1):
+    logits_c, kv_c, fresh = carry
+    delta = policies.relative_change(s_new, s_old)[:, 0]
+    may = (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
+    gate = delta < cfg.gate if cfg.gate > 0 else jnp.ones_like(delta, bool)
+    run = jnp.any(active_Bx1[:, 0] & gate) & may
+
+    def full(_):
+      kl, logits, kv = pair(s_old, s_new)
+      return kl, logits, kv, jnp.ones_like(fresh)
+
+    def skip(_):
+      return jnp.full_like(delta, jnp.inf), logits_c, kv_c, jnp.zeros_like(fresh)
+    kl, logits, kv, ran = lax.cond(run, full, skip, None)
+    act = active_Bx1[:, 0]
+    upd = lambda new, old, m: jnp.where(m.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    logits_c = upd(logits, logits_c, act)
+    kv_c = jax.tree.map(lambda n, o: upd(n, o, act), kv, kv_c)
+    fresh = jnp.where(act, ran, fresh)
+    return ((kl < cfg.eps) & gate)[:, None], (logits_c, kv_c, fresh), {}
+
+  z = jnp.zeros((batch, 1, c.num_kv_heads, c.head_dim), model.dtype)
+  carry = (jnp.zeros((batch, c.vocab_size), jnp.float32), [(z, z) for _ in range(c.n_coda)],
+           jnp.zeros((batch,), bool))
+  return check_fn, carry
 
 
 def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, rng,

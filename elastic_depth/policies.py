@@ -1,6 +1,6 @@
 """Depth sampling for training and per-token exit criteria (A0 uniform, A1 KL, A2 router).
 
-A criterion is built as `check_fn(s_new, s_old, carry, i) -> (exit_BxL, carry, stats)`
+A criterion is built as `check_fn(s_new, s_old, carry, i, active) -> (exit, carry, stats)`
 for `recurrence.early_exit`. KL criteria read the output distribution
 p_i = softmax(head(readout(s_i))) in fp32; the readout (coda + final norm) is
 passed in as a closure so the same criterion serves parallel scoring and cached
@@ -111,7 +111,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
   def carry0(s0):
     return readout(s0) if needs_head else jnp.zeros((), s0.dtype)
 
-  def check_fn(s_new, s_old, h_old, i):
+  def check_fn(s_new, s_old, h_old, i, active=None):
+    del active  # every token is checked; the engine masks the decision
     stats = {'delta': relative_change(s_new, s_old)}
     if needs_head:
       h_new = readout(s_new)

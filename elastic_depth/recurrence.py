@@ -4,7 +4,7 @@ Nothing here knows about attention or vocabularies; the model enters through
 closures:
   step_fn(s) -> s                             (training / uniform depth)
   masked_step_fn(s, kv, active) -> (s, kv)    (early exit; kv: per core block (k, v))
-  check_fn(s_new, s_old, carry, i) -> (exit_BxL, carry, stats)
+  check_fn(s_new, s_old, carry, i, active) -> (exit_BxL, carry, stats)
 
 Early-exit semantics (teacher-forced, all positions in parallel): at loop i every
 still-active token runs the core; an exited token's state is frozen and the keys
@@ -72,17 +72,19 @@ class ExitResult(NamedTuple):
   depth: jax.Array         # loops executed per token, int32 [B, L]
   loops: jax.Array         # loops the while_loop ran (max over tokens), int32 []
   traces: Any              # per-loop stats [R, B, L] (zeros unless trace=True)
+  check: Any = None        # final carry of check_fn (with return_check=True)
 
 
 def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0: Any,
                check0: Any, *, min_loops: int, max_loops: int, check_every: int = 1,
-               active0: jax.Array | None = None, trace: bool = False) -> ExitResult:
+               active0: jax.Array | None = None, trace: bool = False,
+               return_check: bool = False) -> ExitResult:
   """Per-token early exit: a lax.while_loop with an active mask over B x L tokens.
 
   Args:
     masked_step_fn: (s, kv, active_BxL) -> (s_new, kv_new): one core loop in which
       inactive tokens offer their frozen keys/values `kv`.
-    check_fn: (s_new, s_old, carry, i) -> (exit_BxL, carry, stats dict of [B, L]);
+    check_fn: (s_new, s_old, carry, i, active) -> (exit_BxL, carry, stats of [B, L]);
       i is the 1-based index of the loop just run.
     s0: initial state [B, L, D].
     kv0: initial per-block (k, v) buffers (any values: every token runs loop 1).
@@ -92,13 +94,14 @@ def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0:
     check_every: the criterion is consulted at loops min_loops, min_loops + n, ...
     active0: optional initial mask (e.g. padding positions start inactive).
     trace: record check_fn's stats at every loop (shape [max_loops, B, L]).
+    return_check: also return check_fn's final carry.
   Returns:
     ExitResult.
   """
   b, l = s0.shape[:2]
   active = jnp.ones((b, l), bool) if active0 is None else active0
   depth = jnp.zeros((b, l), jnp.int32)
-  _, _, stats_shape = jax.eval_shape(check_fn, s0, s0, check0, jnp.int32(1))
+  _, _, stats_shape = jax.eval_shape(check_fn, s0, s0, check0, jnp.int32(1), active)
   traces = {k: jnp.zeros((max_loops if trace else 0, b, l), v.dtype)
             for k, v in stats_shape.items()}
 
@@ -112,7 +115,7 @@ def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0:
     s_new = jnp.where(active[..., None], s_new, s)
     i = i + 1
     depth = depth + active.astype(jnp.int32)
-    want, check, stats = check_fn(s_new, s, check, i)
+    want, check, stats = check_fn(s_new, s, check, i, active)
     may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
     active = active & ~(want & may)
     if trace:
@@ -121,5 +124,6 @@ def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0:
     return i, s_new, kv, active, depth, check, traces
 
   init = (jnp.int32(0), s0, kv0, active, depth, check0, traces)
-  i, s, kv, _, depth, _, traces = lax.while_loop(cond, body, init)
-  return ExitResult(state=s, kv=kv, depth=depth, loops=i, traces=traces)
+  i, s, kv, _, depth, check, traces = lax.while_loop(cond, body, init)
+  return ExitResult(state=s, kv=kv, depth=depth, loops=i, traces=traces,
+                    check=check if return_check else None)

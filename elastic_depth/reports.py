@@ -68,8 +68,8 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def _title(name: str, checkpoint: dict) -> str:
-  return (f"# {name}\n\nworkdir `{checkpoint.get('workdir')}`, step {checkpoint.get('step')}, "
-          f"data {checkpoint.get('data')}\n\n")
+  return (f"# {name}\n\nworkdir `{checkpoint.get('workdir')}`, step {checkpoint.get('step')}; "
+          f"{checkpoint.get('data')}\n\n")
 
 
 # ----------------------------------------------------------------------------

@@ -275,8 +275,10 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
   if mngr.all_steps() and not resume:
     raise ConfigError(f'{workdir!r} already holds checkpoints {mngr.all_steps()}; pass '
                       '--resume to continue, or choose a new --workdir (nothing deleted)')
-  ds = data_lib.build(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size,
-                      vocab_size=cfg.model.vocab_size, workdir=workdir)
+  ds = data_lib.build(cfg.data, seq_len=t.seq_len,
+                      batch_size=t.batch_size // jax.process_count(),
+                      vocab_size=cfg.model.vocab_size, workdir=workdir,
+                      shard_index=jax.process_index(), shard_count=jax.process_count())
   graphdef, state = init_state(cfg, t.seed)
   start = 0
   if resume:

@@ -142,7 +142,7 @@ def test_relative_change_against_numpy(dtype):
   assert got.dtype == jnp.float32 and got.shape == (3, 5)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
   np.testing.assert_array_equal(np.asarray(got)[0], 0.0)  # identical states
-  assert float(policies.relative_change(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4)))) == 0.0
+  assert float(policies.relative_change(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4)))[0, 0]) == 0.0
 
 
 def test_state_delta_check_fn():

@@ -185,12 +185,13 @@ def toy_closures(conv, want_fn=None):
     grow = (s[..., :1] < conv[..., None]).astype(s.dtype)
     return s + grow, kv + active.astype(jnp.int32)  # kv counts the loops run as active
 
-  def check(s_new, s_old, carry, i):
+  def check(s_new, s_old, carry, i, active):
     if want_fn is None:
       want = jnp.all(s_new == s_old, axis=-1)
     else:
       want = want_fn(s_new, i)
-    return want, carry + 1, {'counter': s_new[..., 0], 'loop': jnp.full((B, L), i)}
+    stats = {'counter': s_new[..., 0], 'loop': jnp.full((B, L), i), 'active': active}
+    return want, carry + 1, stats
 
   return masked_step, check
 
@@ -224,7 +225,8 @@ def test_early_exit_matches_brute_force(min_loops, max_loops, check_every):
   masked_step, check = toy_closures(conv)
   out = jax.jit(lambda s, kv: recurrence.early_exit(
       masked_step, check, s, kv, jnp.int32(0), min_loops=min_loops, max_loops=max_loops,
-      check_every=check_every, active0=jnp.asarray(active0), trace=True))(
+      check_every=check_every, active0=jnp.asarray(active0), trace=True,
+      return_check=True))(
           jnp.asarray(s0), jnp.zeros((B, L), jnp.int32))
   want_depth, want_state = reference_early_exit(
       conv, s0, lambda new, old, i: np.all(new == old), min_loops, max_loops, check_every,
@@ -233,6 +235,7 @@ def test_early_exit_matches_brute_force(min_loops, max_loops, check_every):
   np.testing.assert_array_equal(np.asarray(out.state), want_state)  # bitwise
   np.testing.assert_array_equal(np.asarray(out.kv), want_depth)  # active mask seen by step
   assert int(out.loops) == want_depth.max()
+  assert int(out.check) == want_depth.max()  # check_fn's carry went through every loop
   assert want_depth.max() <= max_loops
   # Traces: row i-1 holds the counters after loop i; rows past the last loop are zeros.
   traces = np.asarray(out.traces['counter'])
@@ -241,6 +244,8 @@ def test_early_exit_matches_brute_force(min_loops, max_loops, check_every):
   for i in range(1, int(out.loops) + 1):
     counters = np.where((want_depth >= i) & (counters < conv), counters + 1, counters)
     np.testing.assert_array_equal(traces[i - 1], counters)
+    # check_fn sees the tokens that ran loop i as active
+    np.testing.assert_array_equal(np.asarray(out.traces['active'])[i - 1], want_depth >= i)
   np.testing.assert_array_equal(np.asarray(out.traces['loop'])[int(out.loops):], 0)
 
 
@@ -254,6 +259,7 @@ def test_early_exit_really_exits_early():
   np.testing.assert_array_equal(np.asarray(out.depth), conv.astype(np.int64) + 1)
   assert len(np.unique(np.asarray(out.depth))) > 2
   np.testing.assert_array_equal(np.asarray(out.traces['counter']).shape, (0, B, L))
+  assert out.check is None  # return_check=False
 
 
 @pytest.mark.parametrize('check_every', [1, 3])

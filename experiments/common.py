@@ -1,0 +1,222 @@
+"""Shared pieces of the measurement experiments: flags, loading a trained workdir, errors.
+
+A workdir written by experiments.pretrain holds config.json (the full Config),
+checkpoints/ (orbax) and, for text sources, the trained tokenizer.json. `load`
+rebuilds the model in fp32 from the latest (or a given) checkpoint and the
+validation batches of the saved data config, optionally overridden to evaluate on
+another corpus with the model's own tokenizer.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Callable, Optional
+
+from absl import flags, logging
+
+from elastic_depth.config import Config, ConfigError
+
+def _define(kind: str, name: str, default, help_: str) -> str:
+  """Defines a shared flag unless a module imported in the same process already did
+  (experiments.pretrain defines --workdir and --quiet); returns its name."""
+  if name not in flags.FLAGS:
+    getattr(flags, f'DEFINE_{kind}')(name, default, help_)
+  return name
+
+
+_F = flags.FLAGS
+_define('string', 'workdir', None, 'Trained run directory (from experiments.pretrain).')
+_define('integer', 'step', None, 'Checkpoint step (default: the latest).')
+_define('integer', 'max_depth', 0, 'Largest depth R evaluated (0: the training depth.r_max, '
+        'at most 32); may exceed r_max to extrapolate.')
+_define('integer', 'batches', 8, 'Validation batches (0: all).')
+_define('integer', 'batch_size', 0, 'Sequences per batch (0: the training batch size).')
+_define('integer', 'seq_len', 0, 'Tokens per sequence (0: the training seq_len).')
+_define('integer', 'seed', 0, 'Seed of the initial recurrent states.')
+_define('string', 'tag', '', 'Suffix of the report names (e.g. the corpus).')
+_define('bool', 'quiet', False, 'No progress bars.')
+_define('string', 'data_source', None, 'Override data.source (synthetic|text|hf|tfds).')
+_define('string', 'data_paths', None, 'Override data.paths.')
+_define('string', 'data_val_paths', None, 'Override data.val_paths.')
+_define('string', 'data_tokenizer', None, 'Override data.tokenizer (default for text-like '
+        'sources: the tokenizer.json trained in the workdir).')
+_define('multi_string', 'data_set', [], 'Any other data override, FIELD=VALUE (e.g. '
+        'synth_max_hops=8, hf_name=..., text_field=...).')
+
+
+class SetupError(RuntimeError):
+  """A workdir, checkpoint or data setting that cannot be evaluated."""
+
+
+@dataclasses.dataclass
+class Options:
+  """Everything the experiment mains read from flags (tests build it directly)."""
+  workdir: str
+  step: Optional[int] = None
+  max_depth: int = 0
+  batches: int = 8
+  batch_size: int = 0
+  seq_len: int = 0
+  seed: int = 0
+  tag: str = ''
+  progress: bool = True
+  data: dict = dataclasses.field(default_factory=dict)  # DataConfig overrides
+  extra: dict = dataclasses.field(default_factory=dict)  # experiment-specific
+
+
+def options_from_flags(**extra) -> Options:
+  """Options from the shared flags; `extra` holds the experiment's own settings."""
+  if not _F.workdir:
+    raise SetupError('--workdir is required (a directory trained by experiments.pretrain)')
+  data = {k: _F[f'data_{k}'].value for k in ('source', 'paths', 'val_paths', 'tokenizer')
+          if _F[f'data_{k}'].value is not None}
+  for item in _F.data_set:
+    if '=' not in item:
+      raise SetupError(f'--data_set={item!r} must be FIELD=VALUE')
+    k, v = item.split('=', 1)
+    data[k.strip()] = v
+  return Options(workdir=_F.workdir, step=_F.step, max_depth=_F.max_depth,
+                 batches=_F.batches, batch_size=_F.batch_size, seq_len=_F.seq_len,
+                 seed=_F.seed, tag=_F.tag, progress=not _F.quiet, data=data, extra=extra)
+
+
+def config_from_dict(d: dict, cls=Config) -> Any:
+  """Rebuilds a (nested) config dataclass from config_dict output; unknown keys warned."""
+  base = cls()
+  kw = {}
+  for k, v in d.items():
+    if not hasattr(base, k):
+      logging.warning('ignoring unknown config field %s.%s', cls.__name__, k)
+      continue
+    cur = getattr(base, k)
+    if dataclasses.is_dataclass(cur):
+      kw[k] = config_from_dict(v, type(cur))
+    elif isinstance(cur, tuple):
+      kw[k] = tuple(v)
+    else:
+      kw[k] = v
+  return cls(**kw)
+
+
+def _typed(cur, value: str):
+  """A string flag value converted to the type of the field's current value."""
+  if isinstance(value, str) and not isinstance(cur, str):
+    if isinstance(cur, bool):
+      return value.lower() in ('1', 'true', 'yes')
+    return type(cur)(value)
+  return value
+
+
+def resolve_data(cfg: Config, workdir: str, overrides: dict):
+  """The DataConfig to evaluate on, and the workdir to hand to data.build (or None).
+
+  Overrides replace fields of the saved data config. A text-like source is always
+  tokenized with the model's own tokenizer: the saved tokenizer.json of the workdir
+  (never a freshly trained one), unless --data_tokenizer names one.
+  """
+  saved = cfg.data
+  bad = [k for k in overrides if not hasattr(saved, k)]
+  if bad:
+    raise SetupError(f'unknown data override(s) {bad}; fields: '
+                     f'{[f.name for f in dataclasses.fields(saved)]}')
+  d = dataclasses.replace(saved, **{k: _typed(getattr(saved, k), v)
+                                    for k, v in overrides.items()})
+  if d.source == 'synthetic':
+    return d, None
+  if 'tokenizer' not in overrides:
+    if saved.source == 'synthetic':
+      raise SetupError(f'{workdir} was trained on the synthetic vocabulary: it cannot score '
+                       f'{d.source} data (train on a text corpus first, or name a matching '
+                       'tokenizer with --data_tokenizer)')
+    if d.tokenizer == 'train':
+      tok = os.path.join(workdir, 'tokenizer.json')
+      if not os.path.isfile(tok):
+        raise SetupError(f'{workdir} has no tokenizer.json (the trained tokenizer of this '
+                         'text model); pass --data_tokenizer=PATH')
+      d = dataclasses.replace(d, tokenizer=tok)
+  return d, None
+
+
+@dataclasses.dataclass
+class Loaded:
+  """A trained model and its validation batches."""
+  cfg: Config
+  model: Any
+  step: int
+  workdir: str
+  data_cfg: Any
+  data: Any
+  batches: list
+  r_max: int
+
+  def checkpoint_info(self) -> dict:
+    return {'workdir': os.path.abspath(self.workdir), 'step': self.step,
+            'data': self.data.describe(), 'train_mean_depth': self.cfg.depth.mean,
+            'train_r_max': self.cfg.depth.r_max, 'data_config': dataclasses.asdict(self.data_cfg)}
+
+
+def load_config(workdir: str) -> Config:
+  """The Config saved in <workdir>/config.json."""
+  if not os.path.isdir(workdir):
+    raise SetupError(f'workdir {workdir!r} does not exist')
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise SetupError(f'no config.json in {workdir!r}: not a run directory of '
+                     'experiments.pretrain (or training never started)')
+  with open(path, encoding='utf-8') as f:
+    return config_from_dict(json.load(f))
+
+
+def load_model(workdir: str, step: Optional[int] = None):
+  """(cfg, fp32 model, step) from the checkpoint of a workdir."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from elastic_depth import checkpoint, train  # pylint: disable=g-import-not-at-top
+  cfg = load_config(workdir)
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype='float32'))
+  abstract_model = nnx.eval_shape(lambda: train.build_model(cfg))
+  graphdef, _ = nnx.split(abstract_model, nnx.Param)
+  abstract = jax.eval_shape(lambda: train.init_state(cfg)[1])
+  state, _ = checkpoint.load_state(workdir, abstract, cfg, step)
+  return cfg, train.bind(graphdef, state.params), int(state.step)
+
+
+def load(opts: Options) -> Loaded:
+  """Model, config and validation batches for an experiment."""
+  from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
+  cfg, model, step = load_model(opts.workdir, opts.step)
+  data_cfg, data_workdir = resolve_data(cfg, opts.workdir, opts.data)
+  ds = data_lib.build(data_cfg, seq_len=opts.seq_len or cfg.train.seq_len,
+                      batch_size=opts.batch_size or cfg.train.batch_size,
+                      vocab_size=cfg.model.vocab_size, workdir=data_workdir)
+  batches = ds.val_batches(opts.batches or None)
+  r_max = opts.max_depth or min(cfg.depth.r_max, 32)
+  return Loaded(cfg, model, step, opts.workdir, data_cfg, ds, batches, r_max)
+
+
+def report_name(base: str, opts: Options) -> str:
+  return f'{base}_{opts.tag}' if opts.tag else base
+
+
+def flag_record(opts: Options, loaded: Loaded) -> dict:
+  """The settings to store next to the numbers."""
+  rec = dataclasses.asdict(opts)
+  rec['r_max'] = loaded.r_max
+  return rec
+
+
+def main(run: Callable[[Options], Any], **extra_fn) -> Callable:
+  """An absl main calling run(options) that turns setup errors into one clear line."""
+  def _main(argv):
+    if len(argv) > 1:
+      raise SystemExit(f'error: unexpected arguments {argv[1:]}')
+    from elastic_depth import checkpoint, data as data_lib  # pylint: disable=g-import-not-at-top
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    try:
+      opts = options_from_flags(**{k: f() for k, f in extra_fn.items()})
+      run(opts)
+    except (SetupError, ConfigError, checkpoint.CheckpointError, data_lib.DataError) as e:
+      print(f'error: {e}', file=sys.stderr)
+      sys.exit(2)
+  return _main

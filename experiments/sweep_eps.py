@@ -1,0 +1,68 @@
+"""Exit-policy sweep: uniform depth (A0) at 1..R against per-token exit (A1: KL < eps)
+over a log-spaced eps grid, in loss, mean loops and FLOPs per token (exit checks
+counted). Headline: the smallest mean depth within --delta of uniform depth at the
+training mean, and A0's loss at the same mean loops (the frontier comparison).
+
+  python -m experiments.sweep_eps --workdir=runs/tiny
+  python -m experiments.sweep_eps --workdir=runs/ts --eps_grid=1e-5,1e-4,1e-3 \
+      --curves=kl,reverse_kl,state_delta --delta=0.02
+
+Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
+"""
+
+import jax
+from absl import app, flags
+
+from elastic_depth import analysis, reports
+from experiments import common
+
+EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-separated '
+                             '(default: 13 log-spaced points 1e-6..1).')
+DELTA = flags.DEFINE_float('delta', 0.01, 'Loss tolerance (nats/token) of the headline.')
+CURVES = flags.DEFINE_list('curves', ['kl'], 'Exit curves: kl (A1), reverse_kl, state_delta.')
+STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
+                                     'thresholds (default: 9 log-spaced points 1e-4..1).')
+
+
+def _floats(xs, name):
+  if xs is None:
+    return None
+  try:
+    return [float(x) for x in xs]
+  except ValueError as e:
+    raise common.SetupError(f'--{name}: {e}') from None
+
+
+def run(opts: common.Options) -> dict:
+  """Loads the workdir, runs A0 and the exit curves and writes the report."""
+  ld = common.load(opts)
+  x = opts.extra
+  res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
+                       ld.cfg.depth.mean, eps_grid=x.get('eps_grid'),
+                       delta=x.get('delta', 0.01), curves=tuple(x.get('curves', ('kl',))),
+                       state_delta_grid=x.get('state_delta_grid'), progress=opts.progress)
+  info = ld.checkpoint_info()
+  paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
+                        flags=common.flag_record(opts, ld), checkpoint=info,
+                        markdown=reports.sweep_markdown(res, info),
+                        plot=reports.sweep_plot(res))
+  for name, h in res['headline'].items():
+    b = h['best']
+    if b is None:
+      print(f"{name}: no threshold within {h['delta']} nats of uniform depth "
+            f"{h['ref_depth']:g} (loss {h['ref_loss']:.4f})")
+    else:
+      print(f"{name}: eps={b['threshold']:.3g} -> {b['mean_loops']:.2f} mean loops "
+            f"(loss {b['loss']:.4f} vs {h['ref_loss']:.4f} at depth {h['ref_depth']:g}; "
+            f"{100 * b['loop_saving']:.1f}% fewer loops, {100 * b['flops_saving']:.1f}% "
+            f"fewer FLOPs); uniform depth at the same mean loops: {b['a0_loss_same_loops']:.4f}"
+            f" (gap {b['gap_same_loops']:+.4f})")
+  print(f"report {paths['md']}")
+  return {'results': res, 'paths': paths}
+
+
+if __name__ == '__main__':
+  app.run(common.main(run, eps_grid=lambda: _floats(EPS_GRID.value, 'eps_grid'),
+                      delta=lambda: DELTA.value, curves=lambda: CURVES.value,
+                      state_delta_grid=lambda: _floats(STATE_DELTA_GRID.value,
+                                                       'state_delta_grid')))

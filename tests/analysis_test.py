@@ -1,0 +1,216 @@
+"""Measurements (elastic_depth.analysis) against independent computations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import analysis, config, inference, policies
+from elastic_depth import model as model_lib
+
+R, B, L = 6, 2, 8
+
+
+@pytest.fixture(scope='module')
+def setup():
+  mcfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
+                            head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
+                            max_len=64, init_std=0.1)
+  mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(3))
+  rs = np.random.default_rng(0)
+  batches = []
+  for _ in range(2):
+    mask = (rs.random((B, L)) > 0.25).astype(np.float32)
+    mask[:, 0] = 1
+    batches.append(dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
+                        targets=rs.integers(0, 48, (B, L)).astype(np.int32), mask=mask,
+                        difficulty=rs.integers(-1, 4, (B, L)).astype(np.int32)))
+  rng = jax.random.key(5)
+  trace = analysis.trace_batches(mdl, batches, R, rng)
+  return mdl, batches, rng, trace
+
+
+def _score(mdl, batches, rng, cfg):
+  """Per-token NLL and depth of separate (unjitted) inference.score runs."""
+  nll, depth = [], []
+  with jax.default_matmul_precision('highest'):
+    for k, b in enumerate(batches):
+      out = inference.score(mdl, jnp.asarray(b['inputs']), cfg, analysis.batch_key(rng, k))
+      nll.append(np.asarray(inference.nll(out.logits, jnp.asarray(b['targets']))))
+      depth.append(np.asarray(out.depth))
+  return np.concatenate(nll), np.concatenate(depth)
+
+
+def test_trace_shapes_and_determinism(setup):
+  mdl, batches, rng, trace = setup
+  assert trace.stats['nll'].shape == (R, 2 * B, L)
+  assert trace.mask.shape == trace.difficulty.shape == (2 * B, L)
+  again = analysis.trace_batches(mdl, batches, R, rng)
+  for k, v in trace.stats.items():
+    np.testing.assert_array_equal(v, again.stats[k])
+
+
+def test_elasticity_equals_separate_uniform_runs(setup):
+  mdl, batches, rng, trace = setup
+  el = analysis.elasticity(trace)
+  assert el['depths'] == list(range(1, R + 1))
+  assert len(set(np.round(el['loss'], 4))) > 1  # the depths differ: a real test
+  mask = np.concatenate([b['mask'] for b in batches]).astype(np.float64)
+  for d in (1, 3, R):
+    nll, _ = _score(mdl, batches, rng, config.ExitConfig(policy='uniform', depth=d))
+    ref = np.sum(nll * mask) / np.sum(mask)
+    np.testing.assert_allclose(el['loss'][d - 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def _brute_argmax_conv(am):
+  r, n, l = am.shape
+  out = np.zeros((n, l), int)
+  for a in range(n):
+    for t in range(l):
+      for i in range(1, r + 1):  # first loop after which the argmax never changes
+        if all(am[j, a, t] == am[i - 1, a, t] for j in range(i - 1, r)):
+          out[a, t] = i
+          break
+  return out
+
+
+def _brute_kl_conv(kl, eps):
+  r, n, l = kl.shape
+  out = np.full((n, l), r + 1)
+  for a in range(n):
+    for t in range(l):
+      for i in range(2, r + 1):
+        if all(kl[j - 1, a, t] < eps for j in range(i, r + 1)):
+          out[a, t] = i
+          break
+  return out
+
+
+def test_convergence_depths_vs_brute_force(setup):
+  _, _, _, trace = setup
+  rs = np.random.default_rng(1)
+  synthetic = rs.integers(0, 3, (7, 5, 9))  # many changes, incl. late ones
+  for am in (trace.stats['argmax'], synthetic):
+    np.testing.assert_array_equal(analysis.argmax_convergence(am), _brute_argmax_conv(am))
+  eps = float(np.median(trace.stats['kl'][1:]))
+  for kl in (trace.stats['kl'], rs.random((7, 5, 9))):
+    np.testing.assert_array_equal(analysis.kl_convergence(kl, eps), _brute_kl_conv(kl, eps))
+  np.testing.assert_array_equal(analysis.kl_convergence(np.zeros((4, 1, 1)), 1.0), 2)
+
+
+def test_convergence_summary(setup):
+  _, _, _, trace = setup
+  groups = {'difficulty': analysis.difficulty_groups(trace.difficulty)}
+  res = analysis.convergence(trace, ref_depth=2.6, eps_conv=1e-3, groups=groups)
+  valid = trace.mask > 0
+  conv = _brute_argmax_conv(trace.stats['argmax'])[valid]
+  a = res['argmax_depth']
+  assert res['ref_depth'] == 3 and a['count'] == valid.sum() == res['tokens']
+  assert a['median'] == np.median(conv) and a['p90'] == np.quantile(conv, 0.9)
+  assert a['histogram'] == [int(np.sum(conv == d)) for d in range(1, R + 1)]
+  assert a['share_changing_after_ref'] == np.mean(conv > 3)
+  assert len(res['kl_depth']['histogram']) == R + 1
+  # breakdown groups partition the valid tokens
+  rows = res['by_difficulty']
+  assert sum(r['count'] for r in rows.values()) == valid.sum()
+  sel = (trace.difficulty == 2) & valid
+  np.testing.assert_allclose(rows['hops=2']['loss_final'], trace.stats['nll'][-1][sel].mean(),
+                             rtol=1e-6)
+  pl = res['per_loop']
+  ch = trace.stats['argmax'][1] != trace.stats['argmax'][0]
+  np.testing.assert_allclose(pl['mean_argmax_changed'][1], ch[valid].mean())
+  assert pl['mean_argmax_changed'][0] == 0
+
+
+def test_sweep_end_points_and_accounting(setup):
+  mdl, batches, rng, trace = setup
+  mask = np.concatenate([b['mask'] for b in batches]).astype(np.float64)
+  a0 = analysis.uniform_curve(trace, mdl.cfg)
+  mid = float(np.median(trace.stats['kl'][1:]))
+  c = analysis.policy_curve(mdl, batches, rng, analysis.Curve('kl', [0.0, mid, 1e9]), R)
+  # eps = 0: never exits, equals A0 at R; eps huge: everyone exits at the first check (2)
+  assert c['mean_loops'][0] == R and c['share_max_depth'][0] == 1.0
+  np.testing.assert_allclose(c['loss'][0], a0['loss'][-1], rtol=1e-5)
+  assert c['mean_loops'][2] == 2
+  np.testing.assert_allclose(c['loss'][2], a0['loss'][1], rtol=1e-5)
+  f = model_lib.flops_per_token(mdl.cfg, 0, L)
+  assert c['flops'][0] == pytest.approx(f['prelude'] + R * f['loop'] + (R + 1) * f['coda_head'])
+  assert c['flops'][2] == pytest.approx(f['prelude'] + 2 * f['loop'] + 3 * f['coda_head'])
+  assert a0['flops'][R - 1] == pytest.approx(model_lib.flops_per_token(mdl.cfg, R, L)['total'])
+  # the middle point against a separate run and a per-token hand count
+  nll, depth = _score(mdl, batches, rng, config.ExitConfig(policy='kl', eps=mid, max_loops=R))
+  assert 2 < c['mean_loops'][1] < R
+  assert c['mean_loops'][1] == pytest.approx(np.sum(depth * mask) / np.sum(mask))
+  np.testing.assert_allclose(c['loss'][1], np.sum(nll * mask) / np.sum(mask), rtol=1e-5)
+  hand = 0.0
+  for d, m in zip(depth.ravel(), mask.ravel()):
+    hand += m * (f['prelude'] + d * f['loop'] + f['coda_head'] + d * f['coda_head'])
+  assert c['flops'][1] == pytest.approx(hand / mask.sum())
+  assert c['mean_checks'][1] == pytest.approx(c['mean_loops'][1])
+
+
+def test_check_readouts_and_router_curve(setup):
+  mdl, batches, rng, _ = setup
+  d = np.arange(1, 8)
+  np.testing.assert_array_equal(analysis.check_readouts(d, 'kl', min_loops=3),
+                                [0, 0, 2, 3, 4, 5, 6])
+  np.testing.assert_array_equal(analysis.check_readouts(d, 'state_delta'), 0)
+  dm = mdl.cfg.d_model
+  router = policies.Router(jnp.zeros(dm), jnp.float32(0.0), jnp.zeros(dm), jnp.ones(dm))
+  c = analysis.policy_curve(mdl, batches, rng, analysis.Curve('router', [0.4, 0.6], router), R)
+  assert c['mean_loops'] == [R, 1]  # p_change = 0.5 everywhere
+  f = model_lib.flops_per_token(mdl.cfg, 1, L)
+  assert c['flops'][1] == pytest.approx(f['total'])
+
+
+def _brute_headline(d0, l0, ml, loss, ref_depth, delta):
+  ref = np.interp(ref_depth, d0, l0)
+  best = None
+  for i in range(len(ml)):
+    if loss[i] <= ref + delta and (best is None or (ml[i], loss[i]) < (ml[best], loss[best])):
+      best = i
+  return ref, best
+
+
+def test_headline_on_hand_built_curve():
+  d0 = np.arange(1, 9, dtype=float)
+  l0 = 2.0 + 1.0 / d0  # loss 3, 2.5, 2.33, ..., 2.125
+  a0 = {'mean_loops': d0.tolist(), 'loss': l0.tolist(), 'flops': (100 + 10 * d0).tolist()}
+  ml = [7.5, 5.5, 4.2, 3.1, 2.0]
+  loss = [2.126, 2.13, 2.131, 2.2, 2.6]
+  curve = {'policy': 'kl', 'threshold': [1e-5, 1e-4, 1e-3, 1e-2, 1e-1], 'mean_loops': ml,
+           'loss': loss, 'flops': [100 + 10 * m + 7 for m in ml]}
+  for ref_depth, delta in ((8, 0.01), (6.5, 0.01), (8, 0.08), (8, 1e-4)):
+    h = analysis.headline(a0, curve, ref_depth, delta)
+    ref, best = _brute_headline(d0, l0, ml, loss, ref_depth, delta)
+    assert h['ref_loss'] == pytest.approx(ref)
+    if best is None:
+      assert h['best'] is None
+      continue
+    b = h['best']
+    assert b['index'] == best and b['mean_loops'] == ml[best]
+    assert b['loop_saving'] == pytest.approx(1 - ml[best] / ref_depth)
+    lo = int(np.floor(ml[best]))  # A0 interpolated between the neighbouring depths
+    w = ml[best] - lo
+    a0_at = (1 - w) * l0[lo - 1] + w * l0[min(lo, 7)]
+    assert b['a0_loss_same_loops'] == pytest.approx(a0_at)
+    assert b['gap_same_loops'] == pytest.approx(loss[best] - a0_at)
+    # equal FLOPs: 7 extra FLOPs = 0.7 loops of A0
+    assert b['a0_loss_same_flops'] == pytest.approx(np.interp(ml[best] + 0.7, d0, l0))
+  h = analysis.headline(a0, curve, 8, 0.01)
+  assert h['best']['index'] == 2 and h['uniform_depth_within_delta'] == 8.0
+  assert h['points_beating_a0_same_loops'] == sum(
+      x < np.interp(m, d0, l0) for m, x in zip(ml, loss))
+
+
+def test_sweep_wires_curves_and_headlines(setup):
+  mdl, batches, rng, trace = setup
+  res = analysis.sweep(mdl, batches, rng, R, ref_depth=3, eps_grid=[0.0, 1e9], delta=0.05,
+                       curves=('kl', 'state_delta'), state_delta_grid=[1e9], trace=trace)
+  assert set(res['curves']) == set(res['headline']) == {'kl', 'state_delta'}
+  assert res['curves']['kl']['threshold'] == [0.0, 1e9]
+  assert res['curves']['state_delta']['mean_loops'] == [2.0]
+  assert res['a0']['loss'] == analysis.elasticity(trace)['loss']
+  with pytest.raises(ValueError, match='unknown curve'):
+    analysis.sweep(mdl, batches, rng, R, 3, curves=('nope',), trace=trace)

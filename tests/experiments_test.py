@@ -1,0 +1,111 @@
+"""The measurement experiments end to end on a tiny trained workdir."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elastic_depth import checkpoint, config as config_lib, train
+from experiments import common, convergence, eval_depth, sweep_eps
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory, make_config):
+  cfg = make_config(train=dict(steps=20, eval_every=20, ckpt_every=20, log_every=10,
+                               eval_batches=1, seq_len=16))
+  cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(synth_examples=100))
+  wd = str(tmp_path_factory.mktemp('tiny'))
+  train.run(cfg, wd, quiet=True)
+  return wd
+
+
+def _opts(wd, **kw):
+  return common.Options(workdir=wd, batches=2, progress=False, **kw)
+
+
+def _numbers(path):
+  with open(path, encoding='utf-8') as f:
+    doc = json.load(f)
+  assert {'date', 'command', 'flags', 'checkpoint', 'results'} <= set(doc)
+  return doc['results']
+
+
+def test_config_round_trip(make_config):
+  cfg = make_config()
+  assert common.config_from_dict(train.config_dict(cfg)) == cfg
+  assert common.config_from_dict({'depth': {'buckets': [1, 2]}, 'zzz': 1}).depth.buckets == (1, 2)
+
+
+def test_three_reports_exist_parse_and_repeat_bit_identically(workdir):
+  runs = [
+      (eval_depth, _opts(workdir), 'eval_depth'),
+      (convergence, _opts(workdir, extra={'eps_conv': 1e-3}), 'convergence'),
+      (sweep_eps, _opts(workdir, extra={'eps_grid': [0.0, 1e-3, 1e9], 'delta': 0.01,
+                                        'curves': ['kl', 'state_delta'],
+                                        'state_delta_grid': [1e-2, 1e9]}), 'sweep_eps'),
+  ]
+  for mod, opts, name in runs:
+    first = mod.run(opts)
+    for ext in ('json', 'md', 'png'):
+      path = os.path.join(workdir, 'reports', f'{name}.{ext}')
+      assert os.path.getsize(path) > 0, path
+    res = _numbers(os.path.join(workdir, 'reports', f'{name}.json'))
+    mod.run(opts)
+    assert _numbers(os.path.join(workdir, 'reports', f'{name}.json')) == res
+    assert first['paths']['json'].endswith(f'{name}.json')
+  el = _numbers(os.path.join(workdir, 'reports', 'eval_depth.json'))
+  assert el['depths'] == [1, 2, 3, 4] and el['train_mean'] == 2.5
+  sw = _numbers(os.path.join(workdir, 'reports', 'sweep_eps.json'))
+  kl = sw['curves']['kl']
+  assert kl['mean_loops'][0] == 4 and kl['mean_loops'][-1] == 2
+  assert kl['loss'][0] == pytest.approx(el['loss'][-1], rel=1e-5)
+  assert 'by_difficulty' in _numbers(os.path.join(workdir, 'reports', 'convergence.json'))
+
+
+def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
+  with pytest.raises(common.SetupError, match='does not exist'):
+    common.load(_opts(str(tmp_path / 'nope')))
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  with pytest.raises(common.SetupError, match='no config.json'):
+    common.load(_opts(str(empty)))
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    (empty / 'config.json').write_text(f.read())
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoints'):
+    common.load(_opts(str(empty)))
+  # the command line prints one line, no traceback
+  out = subprocess.run([sys.executable, '-m', 'experiments.eval_depth',
+                        f'--workdir={tmp_path / "nope"}'], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 2 and 'error:' in out.stderr and 'Traceback' not in out.stderr
+
+
+def test_data_overrides_keep_the_model_tokenizer(workdir, tmp_path):
+  cfg = common.load_config(workdir)
+  d, _ = common.resolve_data(cfg, workdir, {'synth_max_hops': '4'})
+  assert d.synth_max_hops == 4 and d.source == 'synthetic'
+  with pytest.raises(common.SetupError, match='synthetic vocabulary'):
+    common.resolve_data(cfg, workdir, {'source': 'text', 'paths': 'x.txt'})
+  with pytest.raises(common.SetupError, match='unknown data override'):
+    common.resolve_data(cfg, workdir, {'nope': '1'})
+  text_cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(source='text', paths='a.txt'))
+  with pytest.raises(common.SetupError, match='no tokenizer.json'):
+    common.resolve_data(text_cfg, str(tmp_path), {'paths': 'b.txt'})
+  (tmp_path / 'tokenizer.json').write_text('{}')
+  d, _ = common.resolve_data(text_cfg, str(tmp_path), {'paths': 'b.txt'})
+  assert d.tokenizer == str(tmp_path / 'tokenizer.json') and d.paths == 'b.txt'
+
+
+def test_command_line_flags(workdir):
+  out = subprocess.run([sys.executable, '-m', 'experiments.sweep_eps', f'--workdir={workdir}',
+                        '--quiet', '--batches=1', '--eps_grid=1e-3,1', '--tag=cli',
+                        '--data_set=synth_max_hops=6'],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  res = _numbers(os.path.join(workdir, 'reports', 'sweep_eps_cli.json'))
+  assert res['curves']['kl']['threshold'] == [1e-3, 1.0]

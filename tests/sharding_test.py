@@ -1,0 +1,92 @@
+"""Data parallelism: 2 steps on a 4-device CPU mesh equal 2 steps on one device.
+
+The 4 host devices must be configured before jax starts, so the training runs in
+a subprocess that prints its results as JSON; the assertions are made here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+
+SCRIPT = r'''
+import json
+import sys
+
+sys.path.insert(0, sys.argv[1])
+import jax
+import numpy as np
+
+from conftest import random_batch, tiny_config
+from elastic_depth import train as train_lib
+
+# Random initial recurrent state (the default), 2 micro-batches of 4 sequences.
+cfg = tiny_config(train=dict(batch_size=4),
+                  depth=dict(mean=1.5, sigma=0.5, r_max=2, buckets=(1, 2)))
+steps = [[random_batch(cfg, 10 * s + a, mask_frac=0.2) for a in range(2)] for s in range(2)]
+out = {'device_count': jax.device_count()}
+for name, devices in (('mesh4', jax.devices()), ('mesh1', jax.devices()[:1])):
+  mesh = train_lib.make_mesh(devices)
+  graphdef, state = train_lib.init_state(cfg, seed=0)
+  init = np.concatenate([np.asarray(p).ravel() for p in jax.tree.leaves(state.params)])
+  state = train_lib.place_state(state, mesh)
+  step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
+  metrics, shards = [], []
+  for micro in steps:
+    batch = train_lib.shard_batch(micro, mesh, 2)
+    x = batch['inputs']
+    shards.append([x.shape, x.sharding.shard_shape(x.shape), len(x.sharding.device_set)])
+    state, m = step_fn(state, batch)
+    metrics.append({k: float(m[k]) for k in ('loss', 'grad_norm', 'depth', 'tokens')})
+  leaves = jax.tree.leaves(state.params)
+  out[name] = dict(
+      metrics=metrics, shards=shards, init_params=init.tolist(), step_cache=step_fn._cache_size(),
+      params=np.concatenate([np.asarray(p).ravel() for p in leaves]).tolist(),
+      params_devices=min(len(p.sharding.device_set) for p in leaves),
+      params_replicated=all(p.sharding.is_fully_replicated for p in leaves))
+print('RESULT' + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope='module')
+def result():
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') +
+                        ' --xla_force_host_platform_device_count=4').strip())
+  proc = subprocess.run([sys.executable, '-c', SCRIPT, TESTS_DIR], cwd=REPO_DIR, env=env,
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')]
+  assert len(lines) == 1, proc.stdout[-2000:]
+  return json.loads(lines[0][len('RESULT'):])
+
+
+def test_four_devices_really_shard_the_batch(result):
+  assert result['device_count'] == 4
+  for shape, shard, n in result['mesh4']['shards']:
+    assert shape == [2, 4, 8] and shard == [2, 1, 8] and n == 4
+  for shape, shard, n in result['mesh1']['shards']:
+    assert shape == shard == [2, 4, 8] and n == 1
+  assert result['mesh4']['params_devices'] == 4
+  assert result['mesh4']['params_replicated'] and result['mesh1']['params_replicated']
+  assert result['mesh4']['step_cache'] == result['mesh1']['step_cache'] == 1
+
+
+def test_four_device_training_equals_one_device(result):
+  m4, m1 = result['mesh4'], result['mesh1']
+  for a, b in zip(m4['metrics'], m1['metrics']):
+    assert a['depth'] == b['depth'] and a['tokens'] == b['tokens']
+    assert a['loss'] == pytest.approx(b['loss'], rel=1e-5)
+    assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-4)
+  p4, p1 = np.asarray(m4['params']), np.asarray(m1['params'])
+  assert p4.shape == p1.shape and p4.size > 10_000
+  np.testing.assert_allclose(p4, p1, rtol=1e-5, atol=1e-5)
+  # Same init, and the two steps really moved the parameters.
+  np.testing.assert_array_equal(m4['init_params'], m1['init_params'])
+  assert np.abs(p1 - np.asarray(m1['init_params'])).max() > 1e-3
