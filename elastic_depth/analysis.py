@@ -65,17 +65,49 @@ class Trace:
     return int(self.stats['nll'].shape[0])
 
 
+_JIT_CACHE = {}
+
+
+def _check_fp32(model) -> None:
+  if model.cfg.dtype != 'float32':
+    raise ValueError(f'measurements run in float32 but the model computes in '
+                     f'{model.cfg.dtype}; rebuild it with model.dtype=float32 (parameters '
+                     'are float32 either way)')
+
+
+def _jitted(kind: str, graphdef, mcfg, *static):
+  """One jitted function per (kind, model config, static settings), reused across calls.
+
+  (GraphDefs hold the unhashable ModelConfig, so they cannot be static jit arguments;
+  models with equal configs have equivalent graphdefs.)
+  """
+  key = (kind, repr(mcfg), static)
+  if key not in _JIT_CACHE:
+    if kind == 'trace':
+      (r_max,) = static
+      cfg = ExitConfig(policy=ExitPolicy.UNIFORM.value, depth=r_max, max_loops=r_max)
+
+      def fn(state, inputs, targets, key):
+        mdl = nnx.merge(graphdef, state)
+        return inference.score(mdl, inputs, cfg, key, targets_BxL=targets, trace=True).traces
+    else:
+      policy, min_loops, r_max = static
+
+      def fn(state, inputs, targets, key, eps, router):
+        cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
+                         max_loops=r_max, check_every=1)
+        res = inference.score(nnx.merge(graphdef, state), inputs, cfg, key, router=router)
+        return inference.nll(res.logits, targets), res.depth
+    _JIT_CACHE[key] = jax.jit(fn)
+  return _JIT_CACHE[key]
+
+
 def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
                   r_max: int, rng: jax.Array, progress: bool = False) -> Trace:
   """Traced uniform-depth runs (policy 'uniform', depth r_max) over the batches."""
+  _check_fp32(model)
   graphdef, state = nnx.split(model)
-  cfg = ExitConfig(policy=ExitPolicy.UNIFORM.value, depth=r_max, max_loops=r_max)
-
-  @jax.jit
-  def run(state, inputs, targets, key):
-    mdl = nnx.merge(graphdef, state)
-    return inference.score(mdl, inputs, cfg, key, targets_BxL=targets, trace=True).traces
-
+  run = _jitted('trace', graphdef, model.cfg, r_max)
   outs = []
   with jax.default_matmul_precision('highest'):
     for k, b in enumerate(_bar(batches, f'trace R={r_max}', progress)):
@@ -239,19 +271,12 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
                  rng: jax.Array, curve: Curve, r_max: int, progress: bool = False) -> dict:
   """Scores the batches with `inference.score` at every threshold of the curve.
 
-  The threshold is a traced argument: one compilation per curve (and batch shape).
+  The threshold is a traced argument: one compilation per policy (and batch shape).
   """
+  _check_fp32(model)
   graphdef, state = nnx.split(model)
   policy, min_loops = ExitPolicy(curve.policy).value, curve.min_loops
-
-  @jax.jit
-  def run(state, inputs, targets, key, eps, router):
-    mdl = nnx.merge(graphdef, state)
-    cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                     max_loops=r_max, check_every=1)
-    res = inference.score(mdl, inputs, cfg, key, router=router)
-    return inference.nll(res.logits, targets), res.depth
-
+  run = _jitted('policy', graphdef, model.cfg, policy, min_loops, r_max)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'mean_checks',
                          'share_max_depth')}
@@ -259,9 +284,10 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
     for eps in _bar(list(curve.thresholds), f'sweep {policy}', progress):
       nll, depth = [], []
       for k, b in enumerate(batches):
-        n, d = jax.device_get(run(state, jnp.asarray(b['inputs'], jnp.int32),
-                                  jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k),
-                                  jnp.float32(eps), curve.router))
+        n, d = jax.device_get(run(
+            state, jnp.asarray(b['inputs'], jnp.int32),
+            jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
+            curve.router))
         nll.append(n)
         depth.append(d)
       nll, depth = np.concatenate(nll), np.concatenate(depth)
@@ -303,6 +329,7 @@ def headline(a0: dict, curve: dict, ref_depth: float, delta: float = 0.01) -> di
               'flops_in_a0_range': ((fl >= f0.min()) & (fl <= f0.max())).tolist()}
   within_u = [float(d) for d, x in zip(d0, l0) if x <= ref_loss + delta]
   out = {'policy': curve.get('policy'), 'ref_depth': float(ref_depth), 'ref_loss': ref_loss,
+         'ref_outside_a0': bool(not d0.min() <= ref_depth <= d0.max()),  # interp clamped
          'ref_flops': ref_flops, 'delta': float(delta), 'frontier': frontier,
          'uniform_depth_within_delta': min(within_u) if within_u else None,
          'points_beating_a0_same_loops': int(np.sum(loss < a0_same_loops)),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, policies
+from elastic_depth import analysis, config, inference, policies, train
 from elastic_depth import model as model_lib
 
 R, B, L = 6, 2, 8
@@ -56,9 +56,17 @@ def test_elasticity_equals_separate_uniform_runs(setup):
   el = analysis.elasticity(trace)
   assert el['depths'] == list(range(1, R + 1))
   assert len(set(np.round(el['loss'], 4))) > 1  # the depths differ: a real test
+  # independent path: the training forward pass at a traced depth (one compilation)
+  graphdef, state = nnx.split(mdl)
+  fwd = jax.jit(lambda st, x, d, key: train.forward_depth(nnx.merge(graphdef, st), x, d, key))
   mask = np.concatenate([b['mask'] for b in batches]).astype(np.float64)
   for d in (1, 3, R):
-    nll, _ = _score(mdl, batches, rng, config.ExitConfig(policy='uniform', depth=d))
+    nll = []
+    with jax.default_matmul_precision('highest'):
+      for k, b in enumerate(batches):
+        logits = fwd(state, jnp.asarray(b['inputs']), jnp.int32(d), analysis.batch_key(rng, k))
+        nll.append(np.asarray(inference.nll(logits, jnp.asarray(b['targets']))))
+    nll = np.concatenate(nll)
     ref = np.sum(nll * mask) / np.sum(mask)
     np.testing.assert_allclose(el['loss'][d - 1], ref, rtol=1e-5, atol=1e-5)
 

@@ -9,7 +9,7 @@ from elastic_depth.data.errors import DataError
 
 
 def resolve(tokens):
-  """Brute force: (answer, hops) of the query by following bindings in the program text."""
+  """Brute force: [(position of the answer, answer, hops)] for every query in the program."""
   query = tokens.index('?')
   lines = ' '.join(tokens[:query]).split(';')
   bindings = {}
@@ -18,27 +18,33 @@ def resolve(tokens):
       lhs, rhs = (x.strip() for x in line.split('='))
       assert lhs not in bindings
       bindings[lhs] = rhs
-  name, hops = tokens[query + 1], 0
-  while not name.isdigit():
-    name, hops = bindings[name], hops + 1
-  return name, hops
+  out = []
+  for q in range(query, len(tokens), 5):
+    assert tokens[q] == '?' and tokens[q + 2] == '=' and tokens[q + 4] == '.'
+    name, hops = tokens[q + 1], 0
+    while not name.isdigit():
+      name, hops = bindings[name], hops + 1
+    out.append((q + 3, name, hops))
+  assert sorted(tokens[q + 1] for q in range(query, len(tokens), 5)) == sorted(bindings)
+  return out
 
 
 def test_difficulty_matches_brute_force_hops():
   train, _, vocab = synthetic.load(300, 6, 16, seed=3, val_fraction=0.1)
-  hop_counts = set()
+  first_hops = set()
   for ids, diff in zip(train.ids, train.difficulty):
     tokens = vocab.decode(ids).split()
     assert len(tokens) == len(diff)
-    answer, hops = resolve(tokens)
-    query = tokens.index('?')
-    assert tokens[query + 3] == answer and tokens[query + 4] == '.'
-    assert diff[query + 3] == hops
-    hop_counts.add(hops)
-    for t, d in zip(tokens[:query + 3] + tokens[query + 4:],
-                    list(diff[:query + 3]) + list(diff[query + 4:])):
-      assert d == (synthetic.FORMAT if t in synthetic.FORMAT_TOKENS else synthetic.RANDOM), t
-  assert hop_counts == set(range(1, 7))
+    answers = resolve(tokens)
+    first_hops.add(answers[0][2])
+    positions = set()
+    for p, answer, hops in answers:
+      assert tokens[p] == answer and diff[p] == hops
+      positions.add(p)
+    for p, (t, d) in enumerate(zip(tokens, diff)):
+      if p not in positions:
+        assert d == (synthetic.FORMAT if t in synthetic.FORMAT_TOKENS else synthetic.RANDOM), t
+  assert first_hops == set(range(1, 7))
 
 
 def test_vocab_small_and_round_trip():

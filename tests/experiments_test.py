@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory, make_config):
   cfg = make_config(train=dict(steps=20, eval_every=20, ckpt_every=20, log_every=10,
-                               eval_batches=1, seq_len=16))
+                               eval_batches=1, seq_len=16, eval_depths=(1, 4)),
+                    depth=dict(buckets=(2, 4)))
   cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(synth_examples=100))
   wd = str(tmp_path_factory.mktemp('tiny'))
   train.run(cfg, wd, quiet=True)
@@ -101,11 +102,11 @@ def test_data_overrides_keep_the_model_tokenizer(workdir, tmp_path):
   assert d.tokenizer == str(tmp_path / 'tokenizer.json') and d.paths == 'b.txt'
 
 
-def test_command_line_flags(workdir):
-  out = subprocess.run([sys.executable, '-m', 'experiments.sweep_eps', f'--workdir={workdir}',
-                        '--quiet', '--batches=1', '--eps_grid=1e-3,1', '--tag=cli',
-                        '--data_set=synth_max_hops=6'],
+def test_command_line_matches_in_process_run_bit_identically(workdir):
+  ref = eval_depth.run(_opts(workdir, tag='inproc'))['results']
+  out = subprocess.run([sys.executable, '-m', 'experiments.eval_depth', f'--workdir={workdir}',
+                        '--quiet', '--batches=2', '--tag=cli', '--data_set=synth_max_hops=6'],
                        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
-  res = _numbers(os.path.join(workdir, 'reports', 'sweep_eps_cli.json'))
-  assert res['curves']['kl']['threshold'] == [1e-3, 1.0]
+  assert _numbers(os.path.join(workdir, 'reports', 'eval_depth_cli.json')) == json.loads(
+      json.dumps(ref))

@@ -247,7 +247,9 @@ def test_loss_at_t_has_zero_gradient_wrt_later_positions(model_cfg):
   s0 = mdl.initial_state(x0, jax.random.key(0))
 
   def nll_per_position(x_BxLxD):
-    e, _ = model_lib._run_blocks(mdl.prelude, x_BxLxD, pos, None)  # pylint: disable=protected-access
+    e = x_BxLxD
+    for block in mdl.prelude:  # LoopedLM.encode after the embedding lookup
+      e, _ = block(e, pos)
     s = s0
     for _ in range(r):
       s, _ = mdl.core_step(s, e, pos)

@@ -4,7 +4,7 @@ No download and no BPE: programs are written directly in a tiny vocabulary
 (5 format tokens, 10 digits, `num_vars` variable names; under 64 ids by default).
 One example (k = 3, shown with 5 binding lines instead of the usual 12):
 
-  d = 4 ; c = b ; a = 7 ; e = c ; b = a ; ? c = 7 .
+  d = 4 ; c = b ; a = 7 ; e = c ; b = a ; ? c = 7 . ? e = 7 . ? d = 4 . ...
 
 Generator, deterministic from the seed (numpy PCG64 seeded with (seed, split)):
   * draw the hop count k uniformly from 1..max_hops and
@@ -14,8 +14,11 @@ Generator, deterministic from the seed (numpy PCG64 seeded with (seed, split)):
   * every other variable is a distractor bound either to a random digit or to a
     random variable bound before it in generation order (so distractors form their
     own chains and branch off the query chain, and var-to-var lines are no hint);
-  * the binding lines `var = rhs ;` are shuffled, then the query `? xk = v .` follows.
-Since every variable is bound exactly once, resolving xk takes exactly k lookups.
+  * the binding lines `var = rhs ;` are shuffled, then the query `? xk = v .` follows,
+    then one query per remaining variable in random order (so about one token in
+    nine is an answer, with depths spread over 1..max_hops).
+Since every variable is bound exactly once, resolving a variable whose chain has
+d links takes exactly d lookups; d is that answer token's difficulty.
 
 Each token carries a difficulty as a prediction target (given everything before it):
    0  format tokens determined by the prefix: `=`, `;`, `?` (fixed line count), `.`, EOS;
@@ -97,7 +100,11 @@ def check_config(max_hops: int, num_vars: int, num_examples: int) -> None:
 
 def program(rng: np.random.Generator, max_hops: int,
             num_vars: int) -> tuple[list[str], list[int]]:
-  """One program (tokens, difficulty per token); the answer needs k ~ U{1..max_hops} hops."""
+  """One program (tokens, difficulty per token): bindings, then a query for every variable.
+
+  The chain of the first query variable needs k ~ U{1..max_hops} hops; the other
+  variables' chains (distractors) have their own depths, which are their difficulty.
+  """
   hops = int(rng.integers(1, max_hops + 1))
   n_lines = min(num_vars, 2 * max_hops)
   names = [VAR_NAMES[i] for i in rng.permutation(num_vars)[:n_lines]]
@@ -114,8 +121,13 @@ def program(rng: np.random.Generator, max_hops: int,
   for i in rng.permutation(n_lines):
     tokens += [names[i], '=', rhs[names[i]], ';']
     difficulty += [RANDOM, FORMAT, RANDOM, FORMAT]
-  tokens += ['?', names[hops - 1], '=', value, '.']
-  difficulty += [FORMAT, RANDOM, FORMAT, hops, FORMAT]
+  order = [hops - 1] + [int(i) for i in rng.permutation(n_lines) if i != hops - 1]
+  for i in order:
+    depth, x = 1, rhs[names[i]]
+    while x not in DIGITS:
+      depth, x = depth + 1, rhs[x]
+    tokens += ['?', names[i], '=', x, '.']
+    difficulty += [FORMAT, RANDOM, FORMAT, depth, FORMAT]
   return tokens, difficulty
 
 

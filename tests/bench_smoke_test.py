@@ -1,0 +1,41 @@
+"""Smoke test of experiments.bench_train: one timed step on the `nano` shape.
+
+Runs the module as a subprocess (its absl flags stay out of the test process) and
+checks the JSON report; it makes no timing assertions.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_train_writes_positive_numbers(tmp_path):
+  out = tmp_path / 'bench_train.json'
+  cmd = [sys.executable, '-m', 'experiments.bench_train', '--shapes=nano', '--steps=1',
+         '--warmup=1', '--peak_n=256', f'--out={out}']
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(out, encoding='utf-8') as f:
+    doc = json.load(f)
+  for key in ('date', 'command', 'jax_version', 'load_avg_start', 'load_avg_end',
+              'other_processes_start'):
+    assert key in doc
+  assert doc['matmul_peak_flops'] > 0
+  assert len(doc['load_avg_start']) == 3
+  [res] = doc['results']
+  assert res['shape'] == 'nano'
+  assert res['depths_run'] == [res['depth']]  # the depth really was fixed
+  assert res['all_finite']
+  assert len(res['step_times_s']) == 1
+  for key in ('tokens_per_step', 'step_s_median', 'tokens_per_s', 'flops_per_token',
+              'flops_per_token_forward', 'flops_per_token_hw', 'model_flops_per_s',
+              'hw_flops_per_s', 'fraction_of_peak', 'hw_fraction_of_peak', 'params',
+              'compile_s'):
+    assert res[key] > 0, key
+  assert res['flops_per_token'] == 3 * res['flops_per_token_forward']
+  assert res['flops_per_token_hw'] >= res['flops_per_token']
+  assert 'nano' in proc.stdout
