@@ -1,40 +1,150 @@
 """Orbax checkpoints: parameters, optimizer state, data-iterator state and config.
 
-Saves are atomic (orbax writes to a temporary folder and renames it on commit), so
-an interrupted save leaves the previous checkpoint restorable. `restore_latest`
-walks back from the newest step and skips any checkpoint that fails to restore,
-saying which one and why.
+Fault model (see docs_faults.md):
+  * Saves are atomic: orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames it on
+    commit, so a save interrupted by a kill, a crash or a full disk leaves the previous
+    checkpoint restorable (tmp folders are never listed as steps).
+  * Every checkpoint's metadata carries a CRC32 of the saved state (`checksum`) and a
+    fingerprint of the tokenizer. `restore_latest` walks back from the newest step,
+    skips any checkpoint that fails to restore or whose restored state does not match
+    its checksum (truncated or garbled files), says which one and why, and (in a
+    training run) moves it aside to `<workdir>/corrupt_checkpoints/` so the step can be
+    saved again; nothing is ever deleted.
+  * A checkpoint of another model config or tokenizer raises CheckpointError before
+    anything is compiled; so does a failed save (e.g. disk full), naming the last
+    complete checkpoint.
 """
 
 import dataclasses
+import errno
+import hashlib
 import json
 import os
+import time
+import zlib
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
 from elastic_depth.config import Config, ModelConfig
 
+CORRUPT_DIR = 'corrupt_checkpoints'
+
 
 class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used (corrupt, or for another model)."""
+  """A checkpoint that cannot be used (corrupt, or for another model), or a failed save."""
+
+
+class MismatchError(CheckpointError):
+  """A readable checkpoint of another model config or tokenizer (never skipped over)."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+  """<workdir>/checkpoints (absolute)."""
+  return os.path.join(os.path.abspath(workdir), 'checkpoints')
 
 
 def manager(workdir: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
-  """A CheckpointManager over <workdir>/checkpoints."""
-  path = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  """A CheckpointManager over <workdir>/checkpoints (created if missing)."""
   opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                       enable_async_checkpointing=async_save)
-  return ocp.CheckpointManager(path, options=opts)
+  return ocp.CheckpointManager(checkpoint_dir(workdir), options=opts)
+
+
+def existing_manager(workdir: str, keep: int = 3,
+                     async_save: bool = True) -> Optional[ocp.CheckpointManager]:
+  """The manager of an existing checkpoints folder, or None (creates nothing)."""
+  if not os.path.isdir(checkpoint_dir(workdir)):
+    return None
+  return manager(workdir, keep, async_save)
+
+
+def state_checksum(state: Any) -> Optional[str]:
+  """CRC32 (hex) over every leaf's path, dtype, shape and bytes; None if not addressable."""
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  crc = 0
+  for path, x in leaves:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return None
+    a = np.ascontiguousarray(np.asarray(jax.device_get(x)))
+    crc = zlib.crc32(f'{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape};'.encode(), crc)
+    crc = zlib.crc32(a.view(np.uint8).reshape(-1) if a.size else b'', crc)
+  return f'{crc:08x}'
+
+
+def tokenizer_info(tok) -> dict:
+  """vocab_size, eos_id and a SHA-256 fingerprint of the token -> id table."""
+  if hasattr(tok, 'tok'):  # HFTokenizer
+    table = sorted(tok.tok.get_vocab(with_added_tokens=True).items())
+  elif hasattr(tok, 'tokens'):  # SyntheticVocab
+    table = list(enumerate(tok.tokens))
+  else:
+    table = [tok.vocab_size]
+  digest = hashlib.sha256(json.dumps(table).encode('utf-8')).hexdigest()[:16]
+  return {'vocab_size': int(tok.vocab_size), 'eos_id': int(tok.eos_id), 'fingerprint': digest,
+          'origin': str(getattr(tok, 'origin', 'synthetic vocabulary'))}
+
+
+def check_tokenizer(saved: Optional[dict], tok, where: str) -> None:
+  """Raises CheckpointError if the tokenizer differs from the one the checkpoint used."""
+  if not saved:  # checkpoints written before tokenizer fingerprints
+    return
+  now = tokenizer_info(tok)
+  diff = [k for k in ('vocab_size', 'eos_id', 'fingerprint') if saved.get(k) != now[k]]
+  if diff:
+    raise MismatchError(
+        f'checkpoint {where} was trained with another tokenizer ({saved.get("origin")}: '
+        f'vocab {saved.get("vocab_size")}, eos {saved.get("eos_id")}) than the current one '
+        f'({now["origin"]}: vocab {now["vocab_size"]}, eos {now["eos_id"]}); differs in '
+        f'{", ".join(diff)}; use the data/tokenizer flags of that run or another workdir')
+
+
+def _disk_hint(e: BaseException) -> str:
+  if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    return ' (the disk is full: free space or choose another --workdir)'
+  return ''
+
+
+def committed_steps(mngr: ocp.CheckpointManager) -> list[int]:
+  """Steps whose folders are committed on disk (re-read, tmp folders excluded)."""
+  try:
+    mngr.reload()
+    return sorted(mngr.all_steps())
+  except Exception:  # pylint: disable=broad-except
+    return []
+
+
+def _save_error(mngr, step: int, e: BaseException) -> CheckpointError:
+  done = [s for s in committed_steps(mngr) if s != step]
+  last = (f'the last complete checkpoint, step {done[-1]}, is intact (continue with --resume)'
+          if done else 'no earlier checkpoint exists')
+  return CheckpointError(f'saving checkpoint step {step} in {mngr.directory} failed: '
+                         f'{type(e).__name__}: {e}{_disk_hint(e)}; {last}')
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict,
          force: bool = False) -> None:
-  """Saves the train state (a pytree) and JSON metadata at `step`."""
-  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          meta=ocp.args.JsonSave(meta)), force=force)
+  """Saves the train state (a pytree) and JSON metadata (plus the state's checksum) at `step`.
+
+  Raises CheckpointError if the save (or an earlier asynchronous one) fails.
+  """
+  meta = dict(meta, checksum=state_checksum(state))
+  try:
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            meta=ocp.args.JsonSave(meta)), force=force)
+  except Exception as e:  # pylint: disable=broad-except
+    raise _save_error(mngr, step, e) from e
+
+
+def wait(mngr: ocp.CheckpointManager) -> None:
+  """Waits for asynchronous saves; CheckpointError if one failed."""
+  try:
+    mngr.wait_until_finished()
+  except Exception as e:  # pylint: disable=broad-except
+    raise _save_error(mngr, -1, e) from e
 
 
 def check_model_config(saved: dict, cfg: ModelConfig, where: str) -> None:
@@ -45,43 +155,101 @@ def check_model_config(saved: dict, cfg: ModelConfig, where: str) -> None:
           if k != 'dtype' and saved.get(k) != v}
   if diff:
     lines = ', '.join(f'{k}: checkpoint={a!r} vs config={b!r}' for k, (a, b) in diff.items())
-    raise CheckpointError(f'checkpoint {where} was trained with a different model '
+    raise MismatchError(f'checkpoint {where} was trained with a different model '
                           f'config ({lines}); use the matching flags or another workdir')
 
 
 def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
   """Reads only the JSON metadata of a checkpoint."""
   out = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-  return out['meta']
+  meta = out['meta']
+  if not isinstance(meta, dict):
+    raise CheckpointError(f'metadata is {type(meta).__name__}, not a dict')
+  return meta
+
+
+def latest_meta(mngr: ocp.CheckpointManager) -> Optional[tuple[int, dict]]:
+  """(step, meta) of the newest checkpoint whose metadata reads; None if there is none."""
+  for step in sorted(mngr.all_steps(), reverse=True):
+    try:
+      return step, read_meta(mngr, step)
+    except Exception:  # pylint: disable=broad-except
+      continue
+  return None
+
+
+def _verify(state: Any, meta: dict) -> None:
+  want = meta.get('checksum')
+  if want is None:
+    return
+  got = state_checksum(state)
+  if got is not None and got != want:
+    raise CheckpointError(f'restored state has checksum {got} but {want} was saved '
+                          '(garbled or truncated array files)')
+
+
+def _quarantine(mngr: ocp.CheckpointManager, step: int) -> Optional[str]:
+  """Moves a corrupt step folder to <workdir>/corrupt_checkpoints/ (never deletes)."""
+  src = os.path.join(str(mngr.directory), str(step))
+  if not os.path.isdir(src):
+    return None
+  root = os.path.join(os.path.dirname(str(mngr.directory)), CORRUPT_DIR)
+  os.makedirs(root, exist_ok=True)
+  dst = os.path.join(root, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{os.getpid()}')
+  os.rename(src, dst)
+  return dst
 
 
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
-                   cfg: Optional[Config] = None) -> Optional[tuple[int, Any, dict]]:
-  """Restores the newest checkpoint that loads; returns (step, state, meta) or None."""
+                   cfg: Optional[Config] = None, tokenizer=None,
+                   quarantine: bool = False) -> Optional[tuple[int, Any, dict]]:
+  """Restores the newest checkpoint that loads and verifies; returns (step, state, meta).
+
+  Args:
+    mngr: the run's manager.
+    abstract_state: target pytree (shapes, dtypes, shardings).
+    cfg: if given, CheckpointError when the checkpoint's model config differs.
+    tokenizer: if given, CheckpointError when the checkpoint used another tokenizer.
+    quarantine: move unusable newer checkpoints to <workdir>/corrupt_checkpoints/ so that
+      training can save those steps again.
+
+  Returns:
+    None if there is no checkpoint at all; CheckpointError if none is usable.
+  """
   steps = sorted(mngr.all_steps(), reverse=True)
-  errors = []
+  errors, bad = [], []
   for step in steps:
     where = f'{mngr.directory}/{step}'
     try:
       meta = read_meta(mngr, step)
-    except Exception as e:  # corrupt or truncated metadata: fall back
-      errors.append(f'step {step}: {type(e).__name__}: {e}')
+    except Exception as e:  # pylint: disable=broad-except  corrupt or truncated metadata
+      errors.append(f'step {step}: {type(e).__name__}: {str(e)[:300]}')
+      bad.append(step)
       logging.warning('checkpoint %s is unreadable (%s); trying an older one', where, e)
       continue
     if cfg is not None:
       check_model_config(meta.get('config', {}).get('model', {}), cfg.model, where)
+    if tokenizer is not None:
+      check_tokenizer(meta.get('tokenizer'), tokenizer, where)
     try:
       out = mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))
       state = out['state']
       jax.block_until_ready(state)
-    except Exception as e:
-      errors.append(f'step {step}: {type(e).__name__}: {e}')
+      _verify(state, meta)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(f'step {step}: {type(e).__name__}: {str(e)[:300]}')
+      bad.append(step)
       logging.warning('checkpoint %s is corrupt (%s); trying an older one', where, e)
       continue
     if errors:
-      print(f'warning: skipped unusable checkpoints: {"; ".join(errors)[:2000]}; '
-            f'resumed from step {step}', flush=True)
+      moved = [p for p in (_quarantine(mngr, s) for s in bad) if p] if quarantine else []
+      if moved:
+        mngr.reload()
+      print(f'warning: skipped unusable checkpoint(s) {bad} in {mngr.directory} '
+            f'({"; ".join(errors)[:1500]}); resumed from step {step}'
+            + (f'; moved the unusable ones to {os.path.dirname(moved[0])}' if moved else ''),
+            flush=True)
     return step, state, meta
   if errors:
     raise CheckpointError('no usable checkpoint in '
@@ -90,9 +258,9 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
 
 
 def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
-                step: Optional[int] = None) -> tuple[Any, dict]:
+               step: Optional[int] = None) -> tuple[Any, dict]:
   """Loads a saved train state without a manager for writing; returns (state, meta)."""
-  path = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  path = checkpoint_dir(workdir)
   if not os.path.isdir(path):
     raise CheckpointError(f'no checkpoints folder in {workdir!r}: train first '
                           f'(python -m experiments.pretrain --workdir={workdir})')
@@ -108,9 +276,10 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
         check_model_config(meta['config']['model'], cfg.model, f'{path}/{s}')
       tree = mngr.restore(s, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))
+      _verify(tree['state'], meta)
       return tree['state'], meta
-    except CheckpointError:
+    except MismatchError:
       raise
-    except Exception as e:
+    except Exception as e:  # pylint: disable=broad-except
       errors.append(f'step {s}: {type(e).__name__}: {e}')
   raise CheckpointError(f'no usable checkpoint in {path}: ' + '; '.join(errors)[:4000])

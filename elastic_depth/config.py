@@ -169,6 +169,8 @@ def validate(cfg: Config) -> None:
   if d.r_max < 1:
     raise ConfigError(f'depth.r_max={d.r_max} must be >= 1')
   b = tuple(d.buckets)
+  if not all(isinstance(x, int) for x in b):
+    raise ConfigError(f'depth.buckets={b} must be integers')
   if not b or list(b) != sorted(set(b)) or b[0] < 1:
     raise ConfigError(f'depth.buckets={b} must be strictly increasing and >= 1')
   if b[-1] < d.r_max:

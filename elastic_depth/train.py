@@ -120,13 +120,12 @@ def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
     mdl = bind(graphdef, params)
     logits = forward_bucket(mdl, micro['inputs'], bucket_idx, key, cfg)
     total, count = masked_nll(logits, micro['targets'], micro['mask'])
-    return total / jnp.maximum(count, 1.0), count
+    return total, count  # sums: micro-batches are weighted by their token counts
 
   def step_fn(state: TrainState, batch):
     r, bucket_idx = policies.draw_bucket(seed_key, state.step, cfg.depth)
-    key = jax.random.fold_in(seed_key, state.step)
+    key = jax.random.fold_in(jax.random.fold_in(seed_key, 0x1a17), state.step)
     grad = jax.value_and_grad(loss_fn, has_aux=True)
-    n_micro = batch['inputs'].shape[0]
 
     def micro_step(acc, xs):
       i, micro = xs
@@ -134,9 +133,10 @@ def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
       return jax.tree.map(jnp.add, acc, (loss, count, g)), None
 
     zeros = (jnp.float32(0), jnp.float32(0), jax.tree.map(jnp.zeros_like, state.params))
-    (loss, count, grads), _ = jax.lax.scan(micro_step, zeros, (jnp.arange(n_micro), batch))
-    loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
-    gnorm = optax.global_norm(grads)
+    (loss, count, grads), _ = jax.lax.scan(micro_step, zeros, (jnp.arange(batch['inputs'].shape[0]), batch))
+    denom = jnp.maximum(count, 1.0)
+    loss, grads = loss / denom, jax.tree.map(lambda g: g / denom, grads)
+    gnorm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -227,7 +227,11 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> f
 
 
 class _Preemption:
-  """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
+  """Turns SIGTERM/SIGINT into a flag checked at step boundaries.
+
+  A second signal while the first is pending stops at once (KeyboardInterrupt) without
+  saving; the previous checkpoint stays restorable since saves are atomic.
+  """
 
   def __init__(self):
     self.signum = None
@@ -241,18 +245,24 @@ class _Preemption:
 
   def _handle(self, signum, frame):
     del frame
+    if self.signum is not None:
+      self.__exit__()
+      raise KeyboardInterrupt(f'second signal {signum}: stopping without saving')
     self.signum = signum
+    print(f'\nsignal {signum} received: saving a checkpoint at the end of this step',
+          flush=True)
 
   def __exit__(self, *exc):
     for s, h in self._old.items():
       signal.signal(s, h)
+    self._old = {}
 
 
 def check_workdir(workdir: str) -> None:
   """Creates the workdir or raises a clear error if it is not writable."""
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, '.write_probe')
+    probe = os.path.join(workdir, f'.write_probe.{os.getpid()}')
     with open(probe, 'w') as f:
       f.write('ok')
     os.remove(probe)
@@ -260,88 +270,151 @@ def check_workdir(workdir: str) -> None:
     raise ConfigError(f'workdir {workdir!r} is not writable: {e}') from e
 
 
+def _end_jsonl_line(path: str) -> None:
+  """Terminates a metrics line cut off by a kill, so appended records stay parseable."""
+  try:
+    with open(path, 'rb+') as f:
+      f.seek(0, os.SEEK_END)
+      if f.tell():
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b'\n':
+          f.write(b'\n')
+  except FileNotFoundError:
+    pass
+
+
 def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False) -> dict:
-  """Trains cfg in workdir; returns the final summary (losses by depth, tokens/s)."""
+  """Trains cfg in workdir; returns the final summary (losses by depth, tokens/s).
+
+  Everything that can be checked is checked before compiling: the config (ConfigError),
+  the workdir, the data (DataError), and on --resume the checkpoint's model config and
+  tokenizer (CheckpointError). SIGTERM/SIGINT save a checkpoint at the next step boundary
+  and return with summary['preempted_at']. A non-finite loss or gradient raises
+  NonFiniteError (nan_policy=stop, or after max_skips skips) without saving the bad state.
+  """
   validate(cfg)
   check_workdir(workdir)
   from elastic_depth import checkpoint, data as data_lib, metrics  # pylint: disable=g-import-not-at-top
   t = cfg.train
-  mesh = make_mesh()
-  if t.batch_size % jax.process_count() or (t.batch_size // jax.process_count()) % max(
-      jax.local_device_count(), 1):
-    raise ConfigError(f'train.batch_size={t.batch_size} is not divisible across '
-                      f'{jax.device_count()} devices')
-  mngr = checkpoint.manager(workdir, t.keep_checkpoints)
-  if mngr.all_steps() and not resume:
-    raise ConfigError(f'{workdir!r} already holds checkpoints {mngr.all_steps()}; pass '
-                      '--resume to continue, or choose a new --workdir (nothing deleted)')
-  ds = data_lib.build(cfg.data, seq_len=t.seq_len,
-                      batch_size=t.batch_size // jax.process_count(),
-                      vocab_size=cfg.model.vocab_size, workdir=workdir,
-                      shard_index=jax.process_index(), shard_count=jax.process_count())
-  graphdef, state = init_state(cfg, t.seed)
-  start = 0
-  if resume:
-    restored = checkpoint.restore_latest(mngr, state, cfg)
-    if restored is not None:
-      start, state, meta = restored
-      ds.train_iter.set_state(meta['data_iter'])
-  state = place_state(state, mesh)
-  with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(config_dict(cfg), f, indent=1)
-  accum = accum_steps(cfg)
-  step_fn = make_train_step(graphdef, cfg, mesh)
-  eval_step = make_eval_step(graphdef, cfg)
-  val = ds.val_batches(t.eval_batches)
-  depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
-  writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
-  peak = measure_matmul_peak(1024 if jax.default_backend() == 'cpu' else 8192)
-  flops_tok = train_flops_per_token(cfg)
-  tokens_step = accum * t.batch_size * t.seq_len
-  meta = lambda: {'config': config_dict(cfg), 'data_iter': ds.train_iter.get_state()}
-  bar = metrics.progress(t.steps, start, disable=quiet or None)
-  skips, last, last_step, summary = 0, wall_clock(), start, {}
-  print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
-        f'{ds.describe()}, {tokens_step} tokens/step, steps {start}->{t.steps}', flush=True)
   with _Preemption() as pre:
-    for step in range(start, t.steps):
-      batch = shard_batch([next(ds.train_iter) for _ in range(accum)], mesh, accum)
-      state, m = step_fn(state, batch)
-      m = jax.device_get(m)
-      if not m['finite']:
-        if NanPolicy(t.nan_policy) == NanPolicy.STOP or skips >= t.max_skips:
-          mngr.wait_until_finished()
-          raise NonFiniteError(
-              f'non-finite loss/gradient at step {step} (loss={m["loss"]}, grad_norm='
-              f'{m["grad_norm"]}); last good checkpoint: {mngr.latest_step()}')
-        skips += 1
-      done = step + 1
-      if step == start:  # exclude compilation from the throughput
-        last, last_step = wall_clock(), done
-      elif done % t.log_every == 0 or done == t.steps:
-        now = wall_clock()
-        tps = (done - last_step) * tokens_step / max(now - last, 1e-9)
-        last, last_step = now, done
+    mesh = make_mesh()
+    if t.batch_size % jax.process_count() or (t.batch_size // jax.process_count()) % max(
+        jax.local_device_count(), 1):
+      raise ConfigError(f'train.batch_size={t.batch_size} is not divisible across '
+                        f'{jax.device_count()} devices')
+    mngr = checkpoint.existing_manager(workdir, t.keep_checkpoints)
+    steps = list(mngr.all_steps()) if mngr is not None else []
+    if steps and not resume:
+      raise ConfigError(f'{workdir!r} already holds checkpoints {steps}; pass '
+                        '--resume to continue, or choose a new --workdir (nothing deleted)')
+    found = checkpoint.latest_meta(mngr) if steps else None
+    if found is not None:  # before building data or compiling anything
+      where = f'{mngr.directory}/{found[0]}'
+      checkpoint.check_model_config(found[1].get('config', {}).get('model', {}), cfg.model,
+                                    where)
+    ds = data_lib.build(cfg.data, seq_len=t.seq_len,
+                        batch_size=t.batch_size // jax.process_count(),
+                        vocab_size=cfg.model.vocab_size, workdir=workdir,
+                        shard_index=jax.process_index(), shard_count=jax.process_count())
+    if found is not None:
+      checkpoint.check_tokenizer(found[1].get('tokenizer'), ds.tokenizer, where)
+    if mngr is None:
+      mngr = checkpoint.manager(workdir, t.keep_checkpoints)
+    graphdef, state = init_state(cfg, t.seed)
+    start = 0
+    if resume:
+      restored = checkpoint.restore_latest(mngr, state, cfg, tokenizer=ds.tokenizer,
+                                           quarantine=True)
+      if restored is None:
+        print(f'--resume: no checkpoint in {mngr.directory} yet; starting at step 0',
+              flush=True)
+      else:
+        start, state, meta = restored
+        try:
+          ds.train_iter.set_state(meta['data_iter'])
+        except Exception as e:  # pylint: disable=broad-except
+          raise checkpoint.CheckpointError(
+              f'checkpoint {mngr.directory}/{start}: its data-iterator state does not fit '
+              f'the current data ({type(e).__name__}: {e}); resume with the data flags of '
+              'that run') from e
+    state = place_state(state, mesh)
+    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+      json.dump(config_dict(cfg), f, indent=1)
+    accum = accum_steps(cfg)
+    step_fn = make_train_step(graphdef, cfg, mesh)
+    eval_step = make_eval_step(graphdef, cfg)
+    val = ds.val_batches(t.eval_batches)
+    depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
+    _end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
+    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    peak = measure_matmul_peak(1024 if jax.default_backend() == 'cpu' else 8192)
+    flops_tok = train_flops_per_token(cfg)
+    tokens_step = accum * t.batch_size * t.seq_len
+    tok_info = checkpoint.tokenizer_info(ds.tokenizer)
+    meta = lambda: {'config': config_dict(cfg), 'data_iter': ds.train_iter.get_state(),
+                    'tokenizer': tok_info}
+    bar = metrics.progress(t.steps, start, disable=quiet or None)
+    skips, last, last_step, summary = 0, wall_clock(), start, {}
+    print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
+          f'{ds.describe()}, {tokens_step} tokens/step, steps {start}->{t.steps}', flush=True)
+    try:
+      for step in range(start, t.steps):
+        if pre.signum is not None:  # signalled before the first step: nothing new to save
+          print(f'\npreempted by signal {pre.signum} before step {step + 1}: nothing new '
+                'to save, exiting', flush=True)
+          summary['preempted_at'] = step
+          break
+        batch = shard_batch([next(ds.train_iter) for _ in range(accum)], mesh, accum)
+        state, m = step_fn(state, batch)
+        m = jax.device_get(m)
+        done = step + 1
+        finite = bool(m['finite'])
+        skips += (not finite) and NanPolicy(t.nan_policy) == NanPolicy.SKIP
         rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'],
-                   tokens_per_s=tps, mfu=tps * flops_tok / peak, skipped=skips,
-                   lr=float(lr_schedule(cfg)(step)))
-        writer.write(done, rec, 'train/')
-        bar.set_postfix(loss=f'{m["loss"]:.3f}', r=int(m['depth']), tok_s=f'{tps:,.0f}')
-      bar.update(1)
-      if done % t.eval_every == 0 or done == t.steps:
-        losses = evaluate(eval_step, state.params, val, depths)
-        writer.write(done, {f'loss_r{d}': v for d, v in losses.items()}, 'val/')
-        summary = {'step': done, 'val_loss': losses}
-      if done % t.ckpt_every == 0 or done == t.steps or pre.signum is not None:
-        checkpoint.save(mngr, done, state, meta(), force=True)
-      if pre.signum is not None:
-        mngr.wait_until_finished()
-        print(f'\npreempted by signal {pre.signum}: saved step {done}, exiting', flush=True)
-        summary['preempted_at'] = done
-        break
-  bar.close()
-  mngr.wait_until_finished()
-  writer.close()
+                   skipped=skips, lr=float(lr_schedule(cfg)(step)))
+        if step == start:  # exclude compilation from the throughput
+          last, last_step = wall_clock(), done
+        elif done % t.log_every == 0 or done == t.steps:
+          now = wall_clock()
+          tps = (done - last_step) * tokens_step / max(now - last, 1e-9)
+          last, last_step = now, done
+          rec.update(tokens_per_s=tps, mfu=tps * flops_tok / peak)
+          bar.set_postfix(loss=f'{m["loss"]:.3f}', r=int(m['depth']), tok_s=f'{tps:,.0f}')
+        if done % t.log_every == 0 or done == t.steps or step == start or not finite:
+          writer.write(done, rec, 'train/')
+        if not finite and (NanPolicy(t.nan_policy) == NanPolicy.STOP or skips > t.max_skips):
+          checkpoint.wait(mngr)  # the bad state is never saved
+          good = checkpoint.committed_steps(mngr)
+          why = ('train.nan_policy=stop' if NanPolicy(t.nan_policy) == NanPolicy.STOP else
+                 f'{skips} non-finite steps skipped, more than train.max_skips='
+                 f'{t.max_skips}')
+          raise NonFiniteError(
+              f'non-finite loss/gradient at step {done} (loss={m["loss"]}, grad_norm='
+              f'{m["grad_norm"]}, depth {int(m["depth"])}; {why}); '
+              + (f'last good checkpoint: step {good[-1]} in {mngr.directory} (resume with '
+                 '--resume, e.g. with a lower --config.train.lr)' if good else
+                 'no checkpoint was saved'))
+        bar.update(1)
+        if done % t.eval_every == 0 or done == t.steps:
+          losses = evaluate(eval_step, state.params, val, depths)
+          writer.write(done, {f'loss_r{d}': v for d, v in losses.items()}, 'val/')
+          summary = {**summary, 'step': done, 'val_loss': losses}
+        if done % t.ckpt_every == 0 or done == t.steps or pre.signum is not None:
+          checkpoint.save(mngr, done, state, meta(), force=True)
+        if pre.signum is not None:
+          checkpoint.wait(mngr)
+          print(f'\npreempted by signal {pre.signum}: saved step {done}, exiting',
+                flush=True)
+          summary['preempted_at'] = done
+          break
+      checkpoint.wait(mngr)
+    finally:
+      bar.close()
+      writer.close()
+      try:
+        mngr.close()
+      except Exception:  # pylint: disable=broad-except  already raised or reported
+        pass
   summary.update(skipped=skips, last_step=int(state.step))
   with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
     json.dump(summary, f, indent=1)

@@ -44,7 +44,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list('shapes', ['tiny', 'S', 'P'], 'Shapes to run (see SHAPES).')
 flags.DEFINE_integer('steps', 5, 'Timed steps per shape (capped by a shape\'s max_steps '
                      'unless --nocap_heavy).')
-flags.DEFINE_integer('warmup', 2, 'Untimed steps first (the first one compiles).')
+flags.DEFINE_integer('warmup', 1, 'Untimed steps after the AOT compile.')
 flags.DEFINE_bool('cap_heavy', True, 'Cap the timed steps of heavy shapes (P: 3).')
 flags.DEFINE_string('out', 'runs/bench_train.json', 'Output JSON path.')
 flags.DEFINE_integer('depth', 0, 'Override the depth r of every shape (0: the shape\'s).')
