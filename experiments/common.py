@@ -169,7 +169,7 @@ def load_config(workdir: str) -> Config:
 
 
 def load_model(workdir: str, step: Optional[int] = None):
-  """(cfg, fp32 model, step) from the checkpoint of a workdir."""
+  """(cfg, fp32 model, step, checkpoint meta) from the checkpoint of a workdir."""
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from elastic_depth import checkpoint, train  # pylint: disable=g-import-not-at-top
@@ -178,18 +178,21 @@ def load_model(workdir: str, step: Optional[int] = None):
   abstract_model = nnx.eval_shape(lambda: train.build_model(cfg))
   graphdef, _ = nnx.split(abstract_model, nnx.Param)
   abstract = jax.eval_shape(lambda: train.init_state(cfg)[1])
-  state, _ = checkpoint.load_state(workdir, abstract, cfg, step)
-  return cfg, train.bind(graphdef, state.params), int(state.step)
+  state, meta = checkpoint.load_state(workdir, abstract, cfg, step)
+  return cfg, train.bind(graphdef, state.params), int(state.step), meta
 
 
 def load(opts: Options) -> Loaded:
   """Model, config and validation batches for an experiment."""
-  from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
-  cfg, model, step = load_model(opts.workdir, opts.step)
+  from elastic_depth import checkpoint, data as data_lib  # pylint: disable=g-import-not-at-top
+  cfg, model, step, meta = load_model(opts.workdir, opts.step)
   data_cfg, data_workdir = resolve_data(cfg, opts.workdir, opts.data)
   ds = data_lib.build(data_cfg, seq_len=opts.seq_len or cfg.train.seq_len,
                       batch_size=opts.batch_size or cfg.train.batch_size,
                       vocab_size=cfg.model.vocab_size, workdir=data_workdir)
+  # the ids must mean what they meant in training (older checkpoints carry no fingerprint)
+  checkpoint.check_tokenizer(meta.get('tokenizer'), ds.tokenizer,
+                             f'{opts.workdir} step {step}')
   batches = ds.val_batches(opts.batches or None)
   r_max = opts.max_depth or min(cfg.depth.r_max, 32)
   return Loaded(cfg, model, step, opts.workdir, data_cfg, ds, batches, r_max)

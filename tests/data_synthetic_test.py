@@ -15,17 +15,17 @@ def resolve(tokens):
   bindings = {}
   for line in lines:
     if line.strip():
-      lhs, rhs = (x.strip() for x in line.split('='))
+      lhs, rhs = line.split()
       assert lhs not in bindings
       bindings[lhs] = rhs
   out = []
-  for q in range(query, len(tokens), 5):
-    assert tokens[q] == '?' and tokens[q + 2] == '=' and tokens[q + 4] == '.'
+  for q in range(query, len(tokens), 4):
+    assert tokens[q] == '?' and tokens[q + 3] == '.'
     name, hops = tokens[q + 1], 0
     while not name.isdigit():
       name, hops = bindings[name], hops + 1
-    out.append((q + 3, name, hops))
-  assert sorted(tokens[q + 1] for q in range(query, len(tokens), 5)) == sorted(bindings)
+    out.append((q + 2, name, hops))
+  assert sorted(tokens[q + 1] for q in range(query, len(tokens), 4)) == sorted(bindings)
   return out
 
 

@@ -100,6 +100,9 @@ def test_data_overrides_keep_the_model_tokenizer(workdir, tmp_path):
   (tmp_path / 'tokenizer.json').write_text('{}')
   d, _ = common.resolve_data(text_cfg, str(tmp_path), {'paths': 'b.txt'})
   assert d.tokenizer == str(tmp_path / 'tokenizer.json') and d.paths == 'b.txt'
+  # another vocabulary than the checkpoint's is refused (tokenizer fingerprint in the meta)
+  with pytest.raises(checkpoint.CheckpointError, match='another tokenizer'):
+    common.load(_opts(workdir, data={'synth_num_vars': '20'}))
 
 
 def test_command_line_matches_in_process_run_bit_identically(workdir):

@@ -1,10 +1,10 @@
 """Embedded synthetic corpus: variable-binding programs whose answers need k hops.
 
 No download and no BPE: programs are written directly in a tiny vocabulary
-(5 format tokens, 10 digits, `num_vars` variable names; under 64 ids by default).
+(4 format tokens in use, 10 digits, `num_vars` variable names; under 64 ids by default).
 One example (k = 3, shown with 5 binding lines instead of the usual 12):
 
-  d = 4 ; c = b ; a = 7 ; e = c ; b = a ; ? c = 7 . ? e = 7 . ? d = 4 . ...
+  d 4 ; c b ; a 7 ; e c ; b a ; ? c 7 . ? e 7 . ? d 4 . ...
 
 Generator, deterministic from the seed (numpy PCG64 seeded with (seed, split)):
   * draw the hop count k uniformly from 1..max_hops and
@@ -14,15 +14,17 @@ Generator, deterministic from the seed (numpy PCG64 seeded with (seed, split)):
   * every other variable is a distractor bound either to a random digit or to a
     random variable bound before it in generation order (so distractors form their
     own chains and branch off the query chain, and var-to-var lines are no hint);
-  * the binding lines `var = rhs ;` are shuffled, then the query `? xk = v .` follows,
-    then one query per remaining variable in random order (so about one token in
-    nine is an answer, with depths spread over 1..max_hops).
+  * the binding lines `var rhs ;` are shuffled, then the query `? xk v .` follows,
+    then one query per remaining variable in random order (about one token in
+    seven is an answer, with depths spread over 1..max_hops). Without an `=`, a
+    one-hop answer is exactly an induction-head copy (the token that followed the
+    earlier occurrence of the query name); each further hop repeats that lookup.
 Since every variable is bound exactly once, resolving a variable whose chain has
 d links takes exactly d lookups; d is that answer token's difficulty.
 
 Each token carries a difficulty as a prediction target (given everything before it):
    0  format tokens determined by the prefix: `=`, `;`, `?` (fixed line count), `.`, EOS;
-  -1  random draws that no model can predict: bound names, right-hand sides, query name;
+  -1  random draws that no model can predict: bound names, right-hand sides, query names;
    k  the answer digit, which needs k hops through the bindings.
 Validation programs come from a separate random stream and exclude any program
 that also occurs in the training set.
@@ -119,15 +121,15 @@ def program(rng: np.random.Generator, max_hops: int,
       rhs[names[i]] = names[rng.integers(i)]
   tokens, difficulty = [], []
   for i in rng.permutation(n_lines):
-    tokens += [names[i], '=', rhs[names[i]], ';']
-    difficulty += [RANDOM, FORMAT, RANDOM, FORMAT]
+    tokens += [names[i], rhs[names[i]], ';']
+    difficulty += [RANDOM, RANDOM, FORMAT]
   order = [hops - 1] + [int(i) for i in rng.permutation(n_lines) if i != hops - 1]
   for i in order:
     depth, x = 1, rhs[names[i]]
     while x not in DIGITS:
       depth, x = depth + 1, rhs[x]
-    tokens += ['?', names[i], '=', x, '.']
-    difficulty += [FORMAT, RANDOM, FORMAT, depth, FORMAT]
+    tokens += ['?', names[i], x, '.']
+    difficulty += [FORMAT, RANDOM, depth, FORMAT]
   return tokens, difficulty
 
 

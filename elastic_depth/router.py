@@ -1,0 +1,130 @@
+"""A2: a linear router trained on the frozen model's own oracle labels.
+
+Label for token t at loop i: 1 if its argmax prediction changes at some later loop
+j in (i, r_max], else 0 (the token has settled). Features: the recurrent state
+s_i (standardised). The probe is logistic regression trained with optax, with the
+positive class re-weighted to balance the classes. As an exit policy a token
+stops at the first loop where P(change) < threshold (`policies.Router`).
+"""
+
+import json
+import os
+from typing import Iterable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from elastic_depth import model as model_lib
+from elastic_depth.policies import Router, router_logit
+
+
+class Harvest(NamedTuple):
+  """Oracle-labelled (token, loop) pairs."""
+  states_NxD: np.ndarray
+  labels_N: np.ndarray  # 1: the argmax still changes later
+  loops_N: np.ndarray   # the loop i each pair comes from (1-based)
+
+
+def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
+            max_pairs: int = 200_000, seed: int = 0) -> Harvest:
+  """Runs every batch at uniform depth r_max, recording states and argmax at each loop."""
+  @jax.jit
+  def run(inputs_BxL):
+    pos = model_lib.positions(inputs_BxL)
+    e, _ = mdl.encode(inputs_BxL, pos)
+    s0 = mdl.initial_state(e, rng)
+
+    def body(s, _):
+      s = mdl.core_step(s, e, pos)[0]
+      am = jnp.argmax(mdl.logits(mdl.decode_state(s, pos)[0]), -1)
+      return s, (s.astype(jnp.float32), am)
+    _, (states, am) = jax.lax.scan(body, s0, None, length=r_max)
+    return states, am  # [R, B, L, D], [R, B, L]
+
+  feats, labels, loops = [], [], []
+  for b in batches:
+    states, am = jax.device_get(run(b['inputs']))
+    # changes_later[i] = any_{j > i} am[j] != am[i]
+    change = np.zeros(am.shape, bool)
+    for i in range(r_max - 1):
+      change[i] = np.any(am[i + 1:] != am[i][None], axis=0)
+    keep = np.asarray(b['mask']) > 0
+    for i in range(r_max):
+      feats.append(states[i][keep])
+      labels.append(change[i][keep])
+      loops.append(np.full(int(keep.sum()), i + 1))
+  x, y, l = np.concatenate(feats), np.concatenate(labels), np.concatenate(loops)
+  if len(y) > max_pairs:
+    idx = np.random.default_rng(seed).choice(len(y), max_pairs, replace=False)
+    x, y, l = x[idx], y[idx], l[idx]
+  return Harvest(x, y.astype(np.float32), l)
+
+
+def fit(h: Harvest, steps: int = 500, lr: float = 1e-2, weight_decay: float = 1e-4,
+        seed: int = 0) -> Router:
+  """Class-balanced logistic regression on standardised states (full-batch AdamW)."""
+  x = jnp.asarray(h.states_NxD)
+  y = jnp.asarray(h.labels_N)
+  mu, sd = x.mean(0), x.std(0) + 1e-6
+  pos = jnp.clip(y.mean(), 1e-6, 1 - 1e-6)
+  w_pos, w_neg = 0.5 / pos, 0.5 / (1 - pos)
+  d = x.shape[1]
+  params = {'w': 0.01 * jax.random.normal(jax.random.key(seed), (d,)), 'b': jnp.zeros(())}
+  tx = optax.adamw(lr, weight_decay=weight_decay)
+  opt = tx.init(params)
+
+  def loss_fn(p):
+    r = Router(p['w'], p['b'], mu, sd)
+    z = router_logit(r, x[None])[0]
+    ll = y * jax.nn.log_sigmoid(z) * w_pos + (1 - y) * jax.nn.log_sigmoid(-z) * w_neg
+    return -jnp.mean(ll)
+
+  @jax.jit
+  def step(p, o):
+    loss, g = jax.value_and_grad(loss_fn)(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss
+
+  for _ in range(steps):
+    params, opt, _ = step(params, opt)
+  return Router(params['w'], params['b'], mu, sd)
+
+
+def evaluate(router: Router, h: Harvest, bins: int = 10) -> dict:
+  """Accuracy, balanced accuracy, base rate and expected calibration error on h."""
+  p = np.asarray(jax.nn.sigmoid(router_logit(router, jnp.asarray(h.states_NxD)[None])[0]))
+  y = h.labels_N > 0.5
+  pred = p > 0.5
+  tpr = float(np.mean(pred[y])) if y.any() else float('nan')
+  tnr = float(np.mean(~pred[~y])) if (~y).any() else float('nan')
+  edges = np.linspace(0, 1, bins + 1)
+  which = np.clip(np.digitize(p, edges) - 1, 0, bins - 1)
+  ece, reliability = 0.0, []
+  for k in range(bins):
+    sel = which == k
+    if sel.any():
+      conf, freq = float(p[sel].mean()), float(y[sel].mean())
+      ece += sel.mean() * abs(conf - freq)
+      reliability.append({'bin': k, 'n': int(sel.sum()), 'mean_p': conf, 'frac_pos': freq})
+  return {'n': int(len(y)), 'base_rate': float(y.mean()), 'accuracy': float(np.mean(pred == y)),
+          'balanced_accuracy': 0.5 * (tpr + tnr), 'ece': float(ece),
+          'reliability': reliability}
+
+
+def save(router: Router, path: str) -> None:
+  """Writes the probe as JSON (small: D weights)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump({k: np.asarray(v).tolist() for k, v in router._asdict().items()}, f)
+
+
+def load(path: str) -> Router:
+  """Reads a probe written by save()."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no router at {path}: run python -m experiments.train_router '
+                            '--workdir=... first')
+  with open(path, encoding='utf-8') as f:
+    d = json.load(f)
+  return Router(**{k: jnp.asarray(v, jnp.float32) for k, v in d.items()})
