@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import sys
 import time
 import zlib
 from typing import Any, Optional
@@ -100,6 +101,27 @@ def check_tokenizer(saved: Optional[dict], tok, where: str) -> None:
         f'vocab {saved.get("vocab_size")}, eos {saved.get("eos_id")}) than the current one '
         f'({now["origin"]}: vocab {now["vocab_size"]}, eos {now["eos_id"]}); differs in '
         f'{", ".join(diff)}; use the data/tokenizer flags of that run or another workdir')
+
+
+def _mute_closed_loop_noise() -> None:
+  """Drops the 'Event loop is closed' tracebacks that tensorstore callbacks print after a
+  failed restore (orbax's event loop is gone by then); other unraisable errors still print."""
+  old = sys.unraisablehook
+  if getattr(old, '_elastic_depth', False):
+    return
+
+  def hook(u):
+    if isinstance(u.exc_value, RuntimeError) and 'Event loop is closed' in str(u.exc_value):
+      return
+    old(u)
+  hook._elastic_depth = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+
+
+def _short(e: BaseException) -> str:
+  """First part of an error message (tensorstore appends kilobytes of JSON spec)."""
+  _mute_closed_loop_noise()
+  return f'{type(e).__name__}: ' + str(e).split(' [tensorstore_spec')[0].split('\n')[0][:400]
 
 
 def _disk_hint(e: BaseException) -> str:
@@ -216,6 +238,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
   Returns:
     None if there is no checkpoint at all; CheckpointError if none is usable.
   """
+  _mute_closed_loop_noise()
   steps = sorted(mngr.all_steps(), reverse=True)
   errors, bad = [], []
   for step in steps:
@@ -223,9 +246,9 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
     try:
       meta = read_meta(mngr, step)
     except Exception as e:  # pylint: disable=broad-except  corrupt or truncated metadata
-      errors.append(f'step {step}: {type(e).__name__}: {str(e)[:300]}')
+      errors.append(f'step {step}: {_short(e)}')
       bad.append(step)
-      logging.warning('checkpoint %s is unreadable (%s); trying an older one', where, e)
+      logging.info('checkpoint %s is unreadable (%s); trying an older one', where, e)
       continue
     if cfg is not None:
       check_model_config(meta.get('config', {}).get('model', {}), cfg.model, where)
@@ -238,9 +261,9 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
       jax.block_until_ready(state)
       _verify(state, meta)
     except Exception as e:  # pylint: disable=broad-except
-      errors.append(f'step {step}: {type(e).__name__}: {str(e)[:300]}')
+      errors.append(f'step {step}: {_short(e)}')
       bad.append(step)
-      logging.warning('checkpoint %s is corrupt (%s); trying an older one', where, e)
+      logging.info('checkpoint %s is corrupt (%s); trying an older one', where, e)
       continue
     if errors:
       moved = [p for p in (_quarantine(mngr, s) for s in bad) if p] if quarantine else []
@@ -264,6 +287,7 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
   if not os.path.isdir(path):
     raise CheckpointError(f'no checkpoints folder in {workdir!r}: train first '
                           f'(python -m experiments.pretrain --workdir={workdir})')
+  _mute_closed_loop_noise()
   mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   if not steps:
@@ -281,5 +305,5 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
     except MismatchError:
       raise
     except Exception as e:  # pylint: disable=broad-except
-      errors.append(f'step {s}: {type(e).__name__}: {e}')
+      errors.append(f'step {s}: {_short(e)}')
   raise CheckpointError(f'no usable checkpoint in {path}: ' + '; '.join(errors)[:4000])

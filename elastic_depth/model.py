@@ -10,6 +10,7 @@ recurrence uses to freeze the keys/values of exited tokens or to read and write 
 KV cache; every block returns the keys/values it actually attended to.
 """
 
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -21,6 +22,19 @@ from elastic_depth.config import InitState, ModelConfig
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+def dense(x, w, n_in: int = 1, **kw) -> jax.Array:
+  """x[..., *in] @ w[*in, *out] as one 2-D matmul (leading dims of x flattened).
+
+  Same result as the einsum ('BLD,DF->BLF', 'BLHK,HKD->BLD', ...), but XLA:CPU lowers
+  the weight gradient of a multi-dim einsum (contracting B and L) to a transposed copy;
+  a 2-D dot avoids it (2.3x faster MLP backward, 1.55x faster train step at shape S).
+  """
+  lead, ins = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+  m = math.prod(ins)
+  y = jnp.dot(x.reshape(-1, m), w.reshape(m, -1), **kw)
+  return y.reshape(*lead, *w.shape[n_in:])
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
@@ -68,15 +82,15 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxLxD, pos_BxL, kv_fn: Optional[KVFn] = None):
     dt = self.dtype
-    q = jnp.einsum('BLD,DHK->BLHK', x_BxLxD, self.wq_DxHxK[...].astype(dt))
-    k = jnp.einsum('BLD,DGK->BLGK', x_BxLxD, self.wk_DxGxK[...].astype(dt))
-    v = jnp.einsum('BLD,DGK->BLGK', x_BxLxD, self.wv_DxGxK[...].astype(dt))
+    q = dense(x_BxLxD, self.wq_DxHxK[...].astype(dt))  # BLD,DHK->BLHK
+    k = dense(x_BxLxD, self.wk_DxGxK[...].astype(dt))  # BLD,DGK->BLGK
+    v = dense(x_BxLxD, self.wv_DxGxK[...].astype(dt))
     q, k = rope(q, pos_BxL, self.theta), rope(k, pos_BxL, self.theta)
     mask = None
     if kv_fn is not None:
       k, v, mask = kv_fn(k, v)
     o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
-    out = jnp.einsum('BLHK,HKD->BLD', o, self.wo_HxKxD[...].astype(dt))
+    out = dense(o, self.wo_HxKxD[...].astype(dt), n_in=2)  # BLHK,HKD->BLD
     return out, (k, v)
 
 
@@ -92,9 +106,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxLxD):
     dt = self.dtype
-    gate = jnp.einsum('BLD,DF->BLF', x_BxLxD, self.w_gate_DxF[...].astype(dt))
-    up = jnp.einsum('BLD,DF->BLF', x_BxLxD, self.w_up_DxF[...].astype(dt))
-    return jnp.einsum('BLF,FD->BLD', jax.nn.silu(gate) * up, self.w_down_FxD[...].astype(dt))
+    gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt))  # BLD,DF->BLF
+    up = dense(x_BxLxD, self.w_up_DxF[...].astype(dt))
+    return dense(jax.nn.silu(gate) * up, self.w_down_FxD[...].astype(dt))  # BLF,FD->BLD
 
 
 class Block(nnx.Module):
@@ -157,7 +171,7 @@ class LoopedLM(nnx.Module):
   def core_step(self, s_BxLxD, e_BxLxD, pos_BxL, kv_fns=None):
     """One loop of the shared core; returns the new state and per-block (k, v)."""
     x = jnp.concatenate([s_BxLxD, e_BxLxD], axis=-1)
-    x = jnp.einsum('BLC,CD->BLD', x, self.adapter_2DxD[...].astype(self.dtype))
+    x = dense(x, self.adapter_2DxD[...].astype(self.dtype))  # BLC,CD->BLD (C = 2D)
     return _run_blocks(self.core, x, pos_BxL, kv_fns)
 
   def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None):
@@ -168,7 +182,7 @@ class LoopedLM(nnx.Module):
   def logits(self, h_BxLxD) -> jax.Array:
     """LM head in fp32: logits_BxLxV."""
     w = self.head_weight().astype(self.dtype)
-    return jnp.einsum('BLD,VD->BLV', h_BxLxD, w, preferred_element_type=jnp.float32)
+    return dense(h_BxLxD, w.T, preferred_element_type=jnp.float32)  # BLD,VD->BLV
 
 
 def positions(tokens_BxL) -> jax.Array:
