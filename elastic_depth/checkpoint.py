@@ -140,6 +140,10 @@ def committed_steps(mngr: ocp.CheckpointManager) -> list[int]:
 
 
 def _save_error(mngr, step: int, e: BaseException) -> CheckpointError:
+  try:  # let earlier asynchronous saves commit before listing what is complete
+    mngr.wait_until_finished()
+  except Exception:  # pylint: disable=broad-except
+    pass
   done = [s for s in committed_steps(mngr) if s != step]
   last = (f'the last complete checkpoint, step {done[-1]}, is intact (continue with --resume)'
           if done else 'no earlier checkpoint exists')

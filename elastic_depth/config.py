@@ -85,7 +85,8 @@ class DataConfig:
   val_fraction: float = 0.05
   max_docs: int = 0          # 0: all
   seed: int = 0
-  # synthetic generator
+  # synthetic generator (see elastic_depth/data/synthetic.py)
+  synth_task: str = 'compose'  # compose (k permutations in order) | binding (k-hop lookup)
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16

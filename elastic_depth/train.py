@@ -312,10 +312,17 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
       where = f'{mngr.directory}/{found[0]}'
       checkpoint.check_model_config(found[1].get('config', {}).get('model', {}), cfg.model,
                                     where)
-    ds = data_lib.build(cfg.data, seq_len=t.seq_len,
-                        batch_size=t.batch_size // jax.process_count(),
-                        vocab_size=cfg.model.vocab_size, workdir=workdir,
-                        shard_index=jax.process_index(), shard_count=jax.process_count())
+    tok_file = os.path.join(workdir, 'tokenizer.json')
+    had_tok = os.path.exists(tok_file)
+    try:
+      ds = data_lib.build(cfg.data, seq_len=t.seq_len,
+                          batch_size=t.batch_size // jax.process_count(),
+                          vocab_size=cfg.model.vocab_size, workdir=workdir,
+                          shard_index=jax.process_index(), shard_count=jax.process_count())
+    except data_lib.DataError:
+      if not had_tok and os.path.exists(tok_file):  # trained on data that failed: not reused
+        os.remove(tok_file)
+      raise
     if found is not None:
       checkpoint.check_tokenizer(found[1].get('tokenizer'), ds.tokenizer, where)
     if mngr is None:

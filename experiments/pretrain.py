@@ -19,6 +19,7 @@ from ml_collections import config_flags
 from elastic_depth import checkpoint
 from elastic_depth import config as config_lib
 from elastic_depth import train
+from experiments import flags_util
 from elastic_depth.data import DataError
 
 
@@ -43,7 +44,7 @@ ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.N
 def parse_flags(argv):
   """absl flag parsing with a one-line error (exit 2) instead of a usage dump."""
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(flags_util.dedupe_config_overrides(argv))
   except flags.Error as e:
     _fail(f'{e} (see --helpshort)')
   except (KeyError, AttributeError, TypeError, ValueError) as e:

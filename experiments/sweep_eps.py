@@ -10,16 +10,23 @@ training mean, and A0's loss at the same mean loops (the frontier comparison).
 Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
 
+import os
+
 import jax
 from absl import app, flags
 
 from elastic_depth import analysis, reports
+from elastic_depth import router as router_lib
 from experiments import common
 
 EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-separated '
                              '(default: 13 log-spaced points 1e-6..1).')
 DELTA = flags.DEFINE_float('delta', 0.01, 'Loss tolerance (nats/token) of the headline.')
 CURVES = flags.DEFINE_list('curves', ['kl'], 'Exit curves: kl (A1), reverse_kl, state_delta.')
+ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
+                           '(python -m experiments.train_router).')
+ROUTER_GRID = flags.DEFINE_list('router_grid', None, 'A2 thresholds on P(change) (default '
+                                '10 points 0.05..0.95).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -37,10 +44,18 @@ def run(opts: common.Options) -> dict:
   """Loads the workdir, runs A0 and the exit curves and writes the report."""
   ld = common.load(opts)
   x = opts.extra
+  probe = None
+  if x.get('router'):
+    path = os.path.join(opts.workdir, 'router.json')
+    if not os.path.exists(path):
+      raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
+                              f'--workdir={opts.workdir} first')
+    probe = router_lib.load(path)
   res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.get('eps_grid'),
                        delta=x.get('delta', 0.01), curves=tuple(x.get('curves', ('kl',))),
-                       state_delta_grid=x.get('state_delta_grid'), progress=opts.progress)
+                       state_delta_grid=x.get('state_delta_grid'), router=probe,
+                       router_grid=x.get('router_grid'), progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
                         flags=common.flag_record(opts, ld), checkpoint=info,
@@ -65,4 +80,6 @@ if __name__ == '__main__':
   app.run(common.main(run, eps_grid=lambda: _floats(EPS_GRID.value, 'eps_grid'),
                       delta=lambda: DELTA.value, curves=lambda: CURVES.value,
                       state_delta_grid=lambda: _floats(STATE_DELTA_GRID.value,
-                                                       'state_delta_grid')))
+                                                       'state_delta_grid'),
+                      router=lambda: ROUTER.value,
+                      router_grid=lambda: _floats(ROUTER_GRID.value, 'router_grid')))

@@ -56,14 +56,33 @@ def cmd(workdir, *extra):
   return [sys.executable, '-m', 'experiments.pretrain', f'--workdir={workdir}', *TINY, *extra]
 
 
+def env():
+  """The JAX persistent compilation cache shared by this session's runs (speed only: the
+  same program either way)."""
+  return dict(os.environ, **CACHE)
+
+
+CACHE = {}
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _compilation_cache(tmp_path_factory, worker_id):
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != 'master':
+    root = root.parent
+  CACHE.update(JAX_COMPILATION_CACHE_DIR=str(root / 'jax_cache'),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+
+
 def run(workdir, *extra, timeout=240):
   return subprocess.run(cmd(workdir, *extra), cwd=REPO, capture_output=True, text=True,
-                        timeout=timeout, check=False)
+                        timeout=timeout, check=False, env=env())
 
 
 def start(workdir, *extra):
   return subprocess.Popen(cmd(workdir, *extra), cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True, env=env())
 
 
 def wait_for(pred, proc, timeout=240, what=''):

@@ -17,7 +17,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
   monkeypatch.setenv('ED_STEPS', '12')
   monkeypatch.setenv('ED_BATCHES', '2')
   monkeypatch.setenv('ED_WORKDIR', str(workdir))
-  monkeypatch.setenv('ED_EXTRA', '--config.data.synth_examples=200 --config.depth.r_max=4 '
+  monkeypatch.setenv('ED_EXTRA', '--config.data.synth_examples=2000 --config.depth.r_max=4 '
                      '--config.depth.buckets=(1,2,3,4) --config.train.eval_depths=(1,4) '
                      '--config.model.d_model=32 --config.model.mlp_dim=64 '
                      '--config.train.batch_size=4 --config.train.seq_len=64')

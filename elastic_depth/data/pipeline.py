@@ -124,7 +124,8 @@ def _synthetic_streams(cfg, vocab_size, workdir):
   """Synthetic programs with difficulty labels in their own vocabulary."""
   del workdir
   train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
-                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction)
+                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
+                                     getattr(cfg, 'synth_task', 'binding'))
   tokenizer_lib.check_vocab(vocab, vocab_size)
   return 'synthetic', vocab, (train.ids, train.difficulty), (val.ids, val.difficulty)
 

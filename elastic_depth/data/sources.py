@@ -149,7 +149,8 @@ def holdout_split(docs: list[str], cfg, origin: str) -> Corpus:
 def load_synthetic(cfg) -> Corpus:
   """Synthetic programs as space-separated strings (see synthetic.py)."""
   train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
-                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction)
+                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
+                                     getattr(cfg, 'synth_task', 'binding'))
   return Corpus(train.docs(vocab), val.docs(vocab), 'synthetic')
 
 

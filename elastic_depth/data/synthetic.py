@@ -133,8 +133,40 @@ def program(rng: np.random.Generator, max_hops: int,
   return tokens, difficulty
 
 
+WORLD_SEED = 20260717  # the op permutations are part of the task, not of the data seed
+
+
+def op_tables(num_ops: int) -> dict[str, np.ndarray]:
+  """The fixed permutation of the 10 digits that each op symbol applies."""
+  rng = np.random.default_rng(WORLD_SEED)
+  return {VAR_NAMES[j]: rng.permutation(10) for j in range(num_ops)}
+
+
+def compose_program(rng: np.random.Generator, max_hops: int,
+                    num_vars: int) -> tuple[list[str], list[int]]:
+  """`? d o1 o2 .. ok = v .`: v = ok(...o1(d)), k ~ U{1..max_hops} ops from 4 permutations.
+
+  Each op is a fixed permutation of the digits (learned into the weights); the answer
+  needs the k ops applied in order, so its difficulty is k.
+  """
+  tables = op_tables(min(4, num_vars))
+  ops = list(tables)
+  k = int(rng.integers(1, max_hops + 1))
+  start = int(rng.integers(10))
+  seq = [ops[int(i)] for i in rng.integers(len(ops), size=k)]
+  x = start
+  for o in seq:
+    x = int(tables[o][x])
+  tokens = ['?', DIGITS[start]] + seq + ['=', DIGITS[x], '.']
+  difficulty = [FORMAT, RANDOM] + [RANDOM] * k + [RANDOM, k, FORMAT]
+  return tokens, difficulty
+
+
+TASKS = {'binding': program, 'compose': compose_program}
+
+
 def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
-             stream: int, exclude: frozenset = frozenset()) -> Split:
+             stream: int, exclude: frozenset = frozenset(), task: str = 'binding') -> Split:
   """`num_examples` programs from the random stream (seed, stream), skipping `exclude`."""
   check_config(max_hops, num_vars, num_examples)
   vocab = SyntheticVocab(num_vars)
@@ -143,7 +175,7 @@ def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
   for _ in range(100 * num_examples + 1000):
     if len(ids) == num_examples:
       break
-    tokens, diff = program(rng, max_hops, num_vars)
+    tokens, diff = TASKS[task](rng, max_hops, num_vars)
     if tuple(tokens) in exclude:
       continue
     ids.append(np.array([vocab.token_to_id(t) for t in tokens], np.int32))
@@ -155,7 +187,7 @@ def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
 
 
 def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
-         val_fraction: float) -> tuple[Split, Split, SyntheticVocab]:
+         val_fraction: float, task: str = 'binding') -> tuple[Split, Split, SyntheticVocab]:
   """Train and validation programs (disjoint) and the vocabulary.
 
   Args:
@@ -164,13 +196,18 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
     num_vars: variable names in the vocabulary (>= max_hops, <= 52).
     seed: random seed; the same seed gives the same programs.
     val_fraction: validation programs = max(1, round(num_examples * val_fraction)).
+    task: 'binding' (k-hop variable lookup) or 'compose' (k fixed permutations applied
+      in order); validation excludes training programs only for 'binding'.
 
   Returns:
     (train, val, vocab); each Split holds int32 ids [T_i] and difficulty [T_i] per program.
   """
+  if task not in TASKS:
+    raise DataError(f'data.synth_task={task!r} not in {sorted(TASKS)}')
   vocab = SyntheticVocab(num_vars)
-  train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM)
+  train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM, task=task)
   seen = frozenset(tuple(vocab.decode(x).split()) for x in train.ids)
   n_val = max(1, int(round(num_examples * val_fraction)))
-  val = generate(n_val, max_hops, num_vars, seed, VAL_STREAM, exclude=seen)
+  val = generate(n_val, max_hops, num_vars, seed, VAL_STREAM,
+                 exclude=seen if task == 'binding' else frozenset(), task=task)
   return train, val, vocab
