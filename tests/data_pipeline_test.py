@@ -13,7 +13,7 @@ from elastic_depth.data.errors import DataError
 SHARED = pathlib.Path(__file__).resolve().parents[1].parent / 'shared' / 'data'
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} absent')
 TINY = SHARED / 'tinystories' / 'TinyStories-valid.first1000.txt'
-SYNTH = DataConfig(synth_examples=400)
+SYNTH = DataConfig(synth_examples=400, synth_task="binding")
 
 
 def synth_data(**kw):

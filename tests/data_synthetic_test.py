@@ -83,7 +83,32 @@ def test_too_few_distinct_programs():
 
 
 def test_synthetic_source_strings():
-  corpus = sources.load(DataConfig(synth_examples=100, val_fraction=0.1))
+  corpus = sources.load(DataConfig(synth_examples=100, val_fraction=0.1, synth_task="binding"))
   assert len(corpus.train) == 100 and len(corpus.val) == 10
   assert not set(corpus.train) & set(corpus.val)
   assert all(doc.split()[-1] == '.' and '?' in doc.split() for doc in corpus.train)
+
+
+def test_compose_answers_and_difficulty_by_brute_force():
+  train, val, vocab = synthetic.load(500, 6, 16, seed=4, val_fraction=0.2, task='compose')
+  tables = synthetic.op_tables(4)
+  for t in tables.values():  # every op is a permutation of the ten digits
+    assert sorted(t.tolist()) == list(range(10))
+  ks = set()
+  for ids, diff in zip(train.ids + val.ids, train.difficulty + val.difficulty):
+    toks = vocab.decode(ids).split()
+    assert toks[0] == '?' and toks[-1] == '.' and toks[-3] == '='
+    ops = toks[2:-3]
+    x = int(toks[1])
+    for o in ops:  # brute force: apply the permutations one by one
+      x = [int(tables[o][d]) for d in range(10)][x]
+    assert toks[-2] == str(x)
+    k = len(ops)
+    ks.add(k)
+    assert list(diff) == [0, -1] + [-1] * k + [-1, k, 0]
+  assert ks == set(range(1, 7))
+
+
+def test_unknown_task_is_a_clear_error():
+  with pytest.raises(DataError, match='synth_task'):
+    synthetic.load(10, 2, 4, seed=0, val_fraction=0.1, task='nope')
