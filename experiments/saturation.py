@@ -1,0 +1,71 @@
+"""Saturation at the training-mean depth: loss versus depth of several runs on one plot.
+
+  python -m experiments.eval_depth --workdir=runs/ts8     # first, for every run
+  python -m experiments.saturation --workdirs=runs/ts8,runs/ts4 --out=runs/saturation
+
+Reads each run's reports/eval_depth[_TAG].json; the saturation depth of a run is the
+smallest depth whose loss is within --delta of its best loss. Writes
+<out>/reports/saturation.{json,md,png}.
+"""
+
+import json
+import os
+
+from absl import app, flags
+
+from elastic_depth import reports
+
+WORKDIRS = flags.DEFINE_list('workdirs', None, 'Run directories with eval_depth reports.')
+TAG = flags.DEFINE_string('tag', '', 'Report tag (e.g. fineweb).')
+DELTA = flags.DEFINE_float('delta', 0.01, 'Nats/token within the best loss.')
+OUT = flags.DEFINE_string('out', 'runs/saturation', 'Output directory.')
+
+
+def saturation_depth(depths, losses, delta: float) -> int:
+  """Smallest depth whose loss is within delta of the best loss."""
+  best = min(losses)
+  return next(d for d, l in zip(depths, losses) if l <= best + delta)
+
+
+def main(argv):
+  del argv
+  if not WORKDIRS.value:
+    raise SystemExit('error: --workdirs is required')
+  name = f'eval_depth_{TAG.value}' if TAG.value else 'eval_depth'
+  runs = {}
+  for wd in WORKDIRS.value:
+    path = os.path.join(wd, 'reports', f'{name}.json')
+    if not os.path.exists(path):
+      raise SystemExit(f'error: no {path}: run python -m experiments.eval_depth --workdir={wd}')
+    with open(path, encoding='utf-8') as f:
+      r = json.load(f)['results']
+    runs[wd] = dict(depths=r['depths'], loss=r['loss'], train_mean=r['train_mean'],
+                    saturation=saturation_depth(r['depths'], r['loss'], DELTA.value))
+  md = ('| run | training mean depth | saturation depth (within '
+        f'{DELTA.value} nats of best) | loss @1 | loss @2 | loss @4 | loss @8 | best |\n'
+        '|---|---|---|---|---|---|---|---|\n')
+  for wd, r in runs.items():
+    at = dict(zip(r['depths'], r['loss']))
+    md += (f"| {wd} | {r['train_mean']:g} | {r['saturation']} | " +
+           ' | '.join(f'{at.get(d, float("nan")):.4f}' for d in (1, 2, 4, 8)) +
+           f" | {min(r['loss']):.4f} |\n")
+
+  def plot(fig):
+    ax = fig.add_subplot(1, 1, 1)
+    for wd, r in runs.items():
+      line, = ax.plot(r['depths'], r['loss'], 'o-', ms=3,
+                      label=f"{wd} (train mean {r['train_mean']:g})")
+      ax.axvline(r['train_mean'], color=line.get_color(), ls=':', lw=1)
+      ax.axvline(r['saturation'], color=line.get_color(), ls='--', lw=1)
+    ax.set(xscale='log', xlabel='uniform depth (loops)', ylabel='validation loss (nats/token)',
+           title='saturation: dotted = training mean, dashed = saturation depth')
+    ax.legend()
+  paths = reports.write(OUT.value, 'saturation', runs, flags={'workdirs': WORKDIRS.value,
+                                                   'delta': DELTA.value, 'tag': TAG.value},
+                        checkpoint={}, markdown=md, plot=plot)
+  print(md)
+  print(f"report {paths['md']}")
+
+
+if __name__ == '__main__':
+  app.run(main)
