@@ -25,6 +25,7 @@ from absl import app, flags
 from flax import nnx
 
 from elastic_depth import config, inference, model as model_lib
+from experiments import bench_util
 
 SHAPES = {
     'S': dict(vocab_size=4096, d_model=256, num_heads=4, num_kv_heads=4, head_dim=64,
@@ -32,7 +33,9 @@ SHAPES = {
     'P': dict(vocab_size=49152, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
               mlp_dim=1536, n_prelude=2, n_core=4, n_coda=2),
 }
-REFERENCE_TOK_S = {'S': 52.0, 'P': 8.2}
+SHAPES['T'] = dict(vocab_size=64, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                   mlp_dim=64, n_prelude=1, n_core=1, n_coda=1)  # smoke tests only
+REFERENCE_TOK_S = {'S': 52.0, 'P': 8.2, 'T': float('nan')}
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Shapes to run.')
 _NEW = flags.DEFINE_integer('new_tokens', 32, 'Tokens generated per timed call.')
@@ -43,13 +46,7 @@ _OUT = flags.DEFINE_string('out', 'runs/bench_generate.json', 'JSON output.')
 
 
 def _median_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  return bench_util.time_fn(fn, args, repeats)['median_s']
 
 
 def _parts(mdl, repeats: int) -> dict:

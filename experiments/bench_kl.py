@@ -14,7 +14,6 @@ kernel is timed only at small shapes there, and the reference only up to
 
 import json
 import os
-import statistics
 import time
 
 from absl import app
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench_util import time_fn
 from elastic_depth.kernels import kl_halting as klh
 
 FLAGS = flags.FLAGS
@@ -64,18 +64,6 @@ def memory_stats(compiled):
   keys = ('argument_size_in_bytes', 'output_size_in_bytes',
           'temp_size_in_bytes', 'generated_code_size_in_bytes')
   return {k: int(getattr(mem, k)) for k in keys if hasattr(mem, k)}
-
-
-def time_fn(fn, args, repeats):
-  """Median / min wall seconds of fn(*args) after one warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return {'median_s': statistics.median(times), 'min_s': min(times),
-          'repeats': repeats}
 
 
 def make_inputs(n, d, v, dtype, seed=0):

@@ -31,7 +31,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from elastic_depth import config as config_lib

@@ -29,7 +29,7 @@ def run(opts: common.Options) -> dict:
                         markdown=reports.elasticity_markdown(res, info),
                         plot=reports.elasticity_plot(res))
   best = min(range(len(res['loss'])), key=lambda i: res['loss'][i])
-  print(f"loss by depth: " + ', '.join(f'{d}: {l:.4f}' for d, l in
+  print("loss by depth: " + ', '.join(f'{d}: {l:.4f}' for d, l in
                                         zip(res['depths'], res['loss'])))
   print(f"best depth {res['depths'][best]} ({res['loss'][best]:.4f}); report {paths['md']}")
   return {'results': res, 'paths': paths}

@@ -64,7 +64,7 @@ def main(argv):
     _fail(f'interrupted ({e or "second signal"}); the last complete checkpoint is kept', 130)
   if 'preempted_at' in summary:
     at = summary['preempted_at']
-    print(f'preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
+    print('preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
                             '--resume' if at else 'stopped before the first step'), flush=True)
     return
   losses = summary.get('val_loss', {})

@@ -39,3 +39,18 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   assert res['flops_per_token'] == 3 * res['flops_per_token_forward']
   assert res['flops_per_token_hw'] >= res['flops_per_token']
   assert 'nano' in proc.stdout
+
+
+def test_bench_generate_writes_all_variants(tmp_path):
+  out = tmp_path / 'gen.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.bench_generate', '--shapes=T', '--new_tokens=3',
+       '--prompt_len=4', '--repeats=1', f'--out={out}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.loads(out.read_text())['shapes']['T']
+  assert set(res['variants']) == {'a0_r8', 'a1_worst', 'a1_eps', 'a1_gated'}
+  for v in res['variants'].values():
+    assert v['tokens_per_s'] > 0 and 1 <= v['mean_loops'] <= 32
+  assert res['variants']['a0_r8']['mean_loops'] == 8
+  assert res['parts']['loop_ms'] > 0 and res['parts']['pair_check_ms'] > 0

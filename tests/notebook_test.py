@@ -1,6 +1,5 @@
 """Executes the Colab reproduction notebook headlessly with a few training steps."""
 
-import os
 import pathlib
 
 import nbformat

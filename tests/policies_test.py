@@ -1,6 +1,5 @@
 """Tests for depth sampling (policies.sample_depth / draw_bucket / bucket_index) and helpers."""
 
-import dataclasses
 import math
 
 import jax
