@@ -87,6 +87,7 @@ class DataConfig:
   seed: int = 0
   # synthetic generator (see elastic_depth/data/synthetic.py)
   synth_task: str = 'compose'  # compose (k permutations in order) | binding (k-hop lookup)
+  loss_on: str = 'all'         # all | answers (synthetic: only targets with difficulty > 0)
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16
@@ -185,6 +186,8 @@ def validate(cfg: Config) -> None:
   if t.tokens_per_step and t.tokens_per_step % (t.batch_size * t.seq_len):
     raise ConfigError(f'train.tokens_per_step={t.tokens_per_step} is not a multiple '
                       f'of batch_size*seq_len={t.batch_size * t.seq_len}')
+  if cfg.data.loss_on not in ('all', 'answers'):
+    raise ConfigError(f'data.loss_on={cfg.data.loss_on!r} not in all/answers')
   if t.schedule not in {x.value for x in Schedule}:
     raise ConfigError(f'train.schedule={t.schedule!r} unknown')
   if t.nan_policy not in {x.value for x in NanPolicy}:

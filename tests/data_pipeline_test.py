@@ -153,3 +153,13 @@ def test_shards_disjoint():
   n = a.stats['train_windows'] // 2
   rows = lambda d: {next(d.train_iter)['inputs'].tobytes() for _ in range(n)}
   assert not rows(a) & rows(b)
+
+
+def test_answers_only_mask_selects_exactly_the_answer_targets():
+  cfg = DataConfig(synth_examples=400, loss_on='answers')
+  data = synth_data(cfg=cfg)
+  for batch in [next(data.train_iter)] + data.val_batches(2):
+    np.testing.assert_array_equal(batch['mask'] > 0, batch['difficulty'] > 0)
+    assert batch['mask'].sum() > 0
+  full = synth_data()  # the default keeps every target
+  assert next(full.train_iter)['mask'].all()

@@ -41,10 +41,12 @@ class Windows:
   and every next-token pair of the stream (up to the last full window) is a target once.
   """
 
-  def __init__(self, tokens_N: np.ndarray, difficulty_N: np.ndarray, seq_len: int):
+  def __init__(self, tokens_N: np.ndarray, difficulty_N: np.ndarray, seq_len: int,
+               answers_only: bool = False):
     self.tokens_N = tokens_N
     self.difficulty_N = difficulty_N
     self.seq_len = seq_len
+    self.answers_only = answers_only  # mask = 1 only where the target's difficulty > 0
 
   def __len__(self) -> int:
     return max(0, (len(self.tokens_N) - 1) // self.seq_len)
@@ -54,11 +56,13 @@ class Windows:
       raise IndexError(f'window {i} out of range [0, {len(self)})')
     start = int(i) * self.seq_len
     window = self.tokens_N[start:start + self.seq_len + 1]
+    difficulty = self.difficulty_N[start + 1:start + self.seq_len + 1].copy()
+    mask = (difficulty > 0) if self.answers_only else np.ones(self.seq_len, bool)
     return {
         'inputs': window[:-1].copy(),
         'targets': window[1:].copy(),
-        'mask': np.ones(self.seq_len, np.float32),
-        'difficulty': self.difficulty_N[start + 1:start + self.seq_len + 1].copy(),
+        'mask': mask.astype(np.float32),
+        'difficulty': difficulty,
     }
 
 
@@ -146,7 +150,8 @@ STREAMS = {
 }
 
 
-def _windows(split: str, docs, tok, seq_len: int, origin: str) -> Windows:
+def _windows(split: str, docs, tok, seq_len: int, origin: str,
+             answers_only: bool = False) -> Windows:
   """Packed windows of one split; DataError if shorter than one sequence."""
   ids, difficulty = docs
   empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -156,7 +161,7 @@ def _windows(split: str, docs, tok, seq_len: int, origin: str) -> Windows:
                     f'sequence (seq_len+1={seq_len + 1}); use more data, a shorter '
                     'train.seq_len' + (' or a larger data.val_fraction / data.val_paths'
                                        if split == 'validation' else ''))
-  return Windows(tokens_N, difficulty_N, seq_len)
+  return Windows(tokens_N, difficulty_N, seq_len, answers_only)
 
 
 def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=None,
@@ -182,8 +187,10 @@ def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=N
     raise DataError(f'shard_index={shard_index} not in [0, shard_count={shard_count})')
   origin, tok, train_docs, val_docs = STREAMS[sources.source_of(data_cfg)](
       data_cfg, vocab_size, workdir)
-  train_w = _windows('train', train_docs, tok, seq_len, origin)
-  val_w = _windows('validation', val_docs, tok, seq_len, origin)
+  answers = (getattr(data_cfg, 'loss_on', 'all') == 'answers'
+             and sources.source_of(data_cfg) == sources.Source.SYNTHETIC)
+  train_w = _windows('train', train_docs, tok, seq_len, origin, answers)
+  val_w = _windows('validation', val_docs, tok, seq_len, origin, answers)
   if len(train_w) < shard_count:
     raise DataError(f'{origin}: {len(train_w)} training windows for {shard_count} hosts')
   train_ds = train_dataset(train_w, batch_size, data_cfg.seed, shard_index, shard_count)
