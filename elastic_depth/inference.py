@@ -30,6 +30,8 @@ class ScoreResult(NamedTuple):
   kv: Any             # per core block (k, v) offered at the end
   e: jax.Array        # prelude output [B, L, D]
   state: jax.Array    # final state [B, L, D]
+  prelude_kv: Any     # per prelude block (k, v)
+  coda_kv: Any        # per coda block (k, v) of the final readout
 
 
 def _freeze(kv_prev, active_BxL):
@@ -60,7 +62,7 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
     ScoreResult with logits_BxLxV computed by the coda on the final states.
   """
   pos = positions(tokens_BxL)
-  e, _ = model.encode(tokens_BxL, pos)
+  e, pre_kv = model.encode(tokens_BxL, pos)
   s0 = model.initial_state(e, rng)
   b, l = tokens_BxL.shape
   c = model.cfg
@@ -78,8 +80,9 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
   res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                               min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
                               check_every=cfg.check_every, trace=trace)
-  logits = model.logits(readout(res.state))
-  return ScoreResult(logits, res.depth, res.traces, res.kv, e, res.state)
+  h, coda_kv = model.decode_state(res.state, pos)
+  return ScoreResult(model.logits(h), res.depth, res.traces, res.kv, e, res.state, pre_kv,
+                     coda_kv)
 
 
 def nll(logits_BxLxV, targets_BxL, mask_BxL=None) -> jax.Array:
@@ -135,13 +138,10 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
             router=None):
   """Runs the prompt in parallel semantics and fills a cache of max_len positions."""
   res = score(model, prompt_BxP, cfg, rng, router=router)
-  pos = positions(prompt_BxP)
-  _, pre_kv = model.encode(prompt_BxP, pos)
-  _, coda_kv = model.decode_state(res.state, pos)
   cache = init_cache(model, prompt_BxP.shape[0], max_len)
-  cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, pre_kv)],
+  cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, res.prelude_kv)],
                 [_write(c, kv, 0) for c, kv in zip(cache.core, res.kv)],
-                [_write(c, kv, 0) for c, kv in zip(cache.coda, coda_kv)])
+                [_write(c, kv, 0) for c, kv in zip(cache.coda, res.coda_kv)])
   return cache, res.logits[:, -1], res.depth
 
 

@@ -16,7 +16,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from elastic_depth import model as model_lib
-from elastic_depth import policies, recurrence
+from elastic_depth import inference, policies, recurrence
 from elastic_depth.config import (Config, ConfigError, NanPolicy, Schedule, grad_accum_steps,
                                   validate)
 
@@ -98,10 +98,7 @@ def forward_depth(mdl, inputs_BxL, depth, key) -> jax.Array:
 
 def masked_nll(logits_BxLxV, targets_BxL, mask_BxL):
   """(sum of NLL over unmasked targets, number of targets), fp32."""
-  logits = logits_BxLxV.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
-  return jnp.sum((lse - tgt) * mask_BxL), jnp.sum(mask_BxL)
+  return jnp.sum(inference.nll(logits_BxLxV, targets_BxL, mask_BxL)), jnp.sum(mask_BxL)
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -356,6 +353,7 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
     peak = measure_matmul_peak(1024 if jax.default_backend() == 'cpu' else 8192)
     flops_tok = train_flops_per_token(cfg)
+    schedule = lr_schedule(cfg)  # for logging; built once, not per step
     tokens_step = accum * t.batch_size * t.seq_len
     tok_info = checkpoint.tokenizer_info(ds.tokenizer)
     meta = lambda: {'config': config_dict(cfg), 'data_iter': ds.train_iter.get_state(),
@@ -378,7 +376,7 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
         finite = bool(m['finite'])
         skips += (not finite) and NanPolicy(t.nan_policy) == NanPolicy.SKIP
         rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'],
-                   skipped=skips, lr=float(lr_schedule(cfg)(step)))
+                   skipped=skips, lr=float(schedule(step)))
         if step == start:  # exclude compilation from the throughput
           last, last_step = wall_clock(), done
         elif done % t.log_every == 0 or done == t.steps:
