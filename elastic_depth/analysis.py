@@ -12,6 +12,7 @@ output at uniform depth i, so `trace.stats['nll'][i - 1]` is the loss at depth i
 """
 
 import dataclasses
+import functools
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -20,7 +21,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from elastic_depth import inference, policies
+from elastic_depth import inference, losses, policies
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy
 
@@ -65,9 +66,6 @@ class Trace:
     return int(self.stats['nll'].shape[0])
 
 
-_JIT_CACHE = {}
-
-
 def _check_fp32(model) -> None:
   if model.cfg.dtype != 'float32':
     raise ValueError(f'measurements run in float32 but the model computes in '
@@ -75,43 +73,33 @@ def _check_fp32(model) -> None:
                      'are float32 either way)')
 
 
-def _jitted(kind: str, graphdef, mcfg, *static):
-  """One jitted function per (kind, model config, static settings), reused across calls.
+@nnx.jit(static_argnames=('r_max',))
+def _trace_run(model, inputs_BxL, targets_BxL, key, *, r_max: int):
+  """Per-loop stats [R, B, L] of a uniform run at depth r_max."""
+  cfg = ExitConfig(policy=ExitPolicy.UNIFORM, depth=r_max, max_loops=r_max)
+  return inference.score(model, inputs_BxL, cfg, key, targets_BxL=targets_BxL,
+                         trace=True).traces
 
-  (GraphDefs hold the unhashable ModelConfig, so they cannot be static jit arguments;
-  models with equal configs have equivalent graphdefs.)
-  """
-  key = (kind, repr(mcfg), static)
-  if key not in _JIT_CACHE:
-    if kind == 'trace':
-      (r_max,) = static
-      cfg = ExitConfig(policy=ExitPolicy.UNIFORM.value, depth=r_max, max_loops=r_max)
 
-      def fn(state, inputs, targets, key):
-        mdl = nnx.merge(graphdef, state)
-        return inference.score(mdl, inputs, cfg, key, targets_BxL=targets, trace=True).traces
-    else:
-      policy, min_loops, r_max = static
-
-      def fn(state, inputs, targets, key, eps, router):
-        cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                         max_loops=r_max, check_every=1)
-        res = inference.score(nnx.merge(graphdef, state), inputs, cfg, key, router=router)
-        return inference.nll(res.logits, targets), res.depth
-    _JIT_CACHE[key] = jax.jit(fn)
-  return _JIT_CACHE[key]
+@nnx.jit(static_argnames=('policy', 'min_loops', 'r_max'))
+def _policy_run(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
+                min_loops: int, r_max: int):
+  """(NLL_BxL, depth_BxL) under an exit policy; eps is traced (one compile per policy)."""
+  cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
+                   max_loops=r_max, check_every=1)
+  res = inference.score(model, inputs_BxL, cfg, key, router=router)
+  return losses.nll(res.logits, targets_BxL), res.depth
 
 
 def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
                   r_max: int, rng: jax.Array, progress: bool = False) -> Trace:
   """Traced uniform-depth runs (policy 'uniform', depth r_max) over the batches."""
   _check_fp32(model)
-  graphdef, state = nnx.split(model)
-  run = _jitted('trace', graphdef, model.cfg, r_max)
+  run = functools.partial(_trace_run, r_max=r_max)
   outs = []
   with jax.default_matmul_precision('highest'):
     for k, b in enumerate(_bar(batches, f'trace R={r_max}', progress)):
-      outs.append(jax.device_get(run(state, jnp.asarray(b['inputs'], jnp.int32),
+      outs.append(jax.device_get(run(model, jnp.asarray(b['inputs'], jnp.int32),
                                      jnp.asarray(b['targets'], jnp.int32),
                                      batch_key(rng, k))))
   cat = lambda name: np.concatenate([np.asarray(b[name]) for b in batches], axis=0)
@@ -274,18 +262,17 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   The threshold is a traced argument: one compilation per policy (and batch shape).
   """
   _check_fp32(model)
-  graphdef, state = nnx.split(model)
-  policy, min_loops = ExitPolicy(curve.policy).value, curve.min_loops
-  run = _jitted('policy', graphdef, model.cfg, policy, min_loops, r_max)
+  policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
+  run = functools.partial(_policy_run, policy=policy, min_loops=min_loops, r_max=r_max)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'mean_checks',
                          'share_max_depth')}
   with jax.default_matmul_precision('highest'):
-    for eps in _bar(list(curve.thresholds), f'sweep {policy}', progress):
+    for eps in _bar(list(curve.thresholds), f'sweep {policy.value}', progress):
       nll, depth = [], []
       for k, b in enumerate(batches):
         n, d = jax.device_get(run(
-            state, jnp.asarray(b['inputs'], jnp.int32),
+            model, jnp.asarray(b['inputs'], jnp.int32),
             jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
             curve.router))
         nll.append(n)

@@ -1,6 +1,6 @@
 """Orbax checkpoints: parameters, optimizer state, data-iterator state and config.
 
-Fault model (see docs_faults.md):
+Fault model (see WORKSPACE.md, "Faults and bad input"):
   * Saves are atomic: orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames it on
     commit, so a save interrupted by a kill, a crash or a full disk leaves the previous
     checkpoint restorable (tmp folders are never listed as steps).
@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -226,6 +226,45 @@ def _quarantine(mngr: ocp.CheckpointManager, step: int) -> Optional[str]:
   return dst
 
 
+class _Walk(NamedTuple):
+  """Result of walking back through checkpoints."""
+  found: Optional[tuple[int, Any, dict]]  # (step, state, meta) of the first usable one
+  errors: list                            # 'step N: why' for each unusable newer one
+  bad: list                               # their steps
+
+
+def _walk(mngr: ocp.CheckpointManager, steps, abstract_state: Any, cfg: Optional[Config],
+          tokenizer) -> _Walk:
+  """Tries steps in order; the first that reads, matches cfg/tokenizer and verifies wins.
+
+  A checkpoint of another model config or tokenizer raises MismatchError at once (never
+  skipped over); an unreadable or garbled one is recorded and the walk goes on.
+  """
+  _mute_closed_loop_noise()
+  errors, bad = [], []
+  for step in steps:
+    where = f'{mngr.directory}/{step}'
+    try:
+      meta = read_meta(mngr, step)
+      if cfg is not None:
+        check_model_config(meta.get('config', {}).get('model', {}), cfg.model, where)
+      if tokenizer is not None:
+        check_tokenizer(meta.get('tokenizer'), tokenizer, where)
+      out = mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))
+      state = out['state']
+      jax.block_until_ready(state)
+      _verify(state, meta)
+      return _Walk((step, state, meta), errors, bad)
+    except MismatchError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  corrupt or truncated files
+      errors.append(f'step {step}: {_short(e)}')
+      bad.append(step)
+      logging.info('checkpoint %s is unusable (%s); trying an older one', where, e)
+  return _Walk(None, errors, bad)
+
+
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
                    cfg: Optional[Config] = None, tokenizer=None,
                    quarantine: bool = False) -> Optional[tuple[int, Any, dict]]:
@@ -242,46 +281,21 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
   Returns:
     None if there is no checkpoint at all; CheckpointError if none is usable.
   """
-  _mute_closed_loop_noise()
-  steps = sorted(mngr.all_steps(), reverse=True)
-  errors, bad = [], []
-  for step in steps:
-    where = f'{mngr.directory}/{step}'
-    try:
-      meta = read_meta(mngr, step)
-    except Exception as e:  # pylint: disable=broad-except  corrupt or truncated metadata
-      errors.append(f'step {step}: {_short(e)}')
-      bad.append(step)
-      logging.info('checkpoint %s is unreadable (%s); trying an older one', where, e)
-      continue
-    if cfg is not None:
-      check_model_config(meta.get('config', {}).get('model', {}), cfg.model, where)
-    if tokenizer is not None:
-      check_tokenizer(meta.get('tokenizer'), tokenizer, where)
-    try:
-      out = mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
-      state = out['state']
-      jax.block_until_ready(state)
-      _verify(state, meta)
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(f'step {step}: {_short(e)}')
-      bad.append(step)
-      logging.info('checkpoint %s is corrupt (%s); trying an older one', where, e)
-      continue
-    if errors:
-      moved = [p for p in (_quarantine(mngr, s) for s in bad) if p] if quarantine else []
-      if moved:
-        mngr.reload()
-      print(f'warning: skipped unusable checkpoint(s) {bad} in {mngr.directory} '
-            f'({"; ".join(errors)[:1500]}); resumed from step {step}'
-            + (f'; moved the unusable ones to {os.path.dirname(moved[0])}' if moved else ''),
-            flush=True)
-    return step, state, meta
-  if errors:
-    raise CheckpointError('no usable checkpoint in '
-                          f'{mngr.directory}: ' + '; '.join(errors)[:4000])
-  return None
+  w = _walk(mngr, sorted(mngr.all_steps(), reverse=True), abstract_state, cfg, tokenizer)
+  if w.found is None:
+    if w.errors:
+      raise CheckpointError(f'no usable checkpoint in {mngr.directory}: '
+                            + '; '.join(w.errors)[:4000])
+    return None
+  if w.errors:
+    moved = [p for p in (_quarantine(mngr, s) for s in w.bad) if p] if quarantine else []
+    if moved:
+      mngr.reload()
+    print(f'warning: skipped unusable checkpoint(s) {w.bad} in {mngr.directory} '
+          f'({"; ".join(w.errors)[:1500]}); resumed from step {w.found[0]}'
+          + (f'; moved the unusable ones to {os.path.dirname(moved[0])}' if moved else ''),
+          flush=True)
+  return w.found
 
 
 def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
@@ -296,18 +310,7 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   if not steps:
     raise CheckpointError(f'no checkpoint in {path}')
-  errors = []
-  for s in steps:
-    try:
-      meta = read_meta(mngr, s)
-      if cfg is not None:
-        check_model_config(meta['config']['model'], cfg.model, f'{path}/{s}')
-      tree = mngr.restore(s, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
-      _verify(tree['state'], meta)
-      return tree['state'], meta
-    except MismatchError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(f'step {s}: {_short(e)}')
-  raise CheckpointError(f'no usable checkpoint in {path}: ' + '; '.join(errors)[:4000])
+  w = _walk(mngr, steps, abstract_state, cfg, None)
+  if w.found is None:
+    raise CheckpointError(f'no usable checkpoint in {path}: ' + '; '.join(w.errors)[:4000])
+  return w.found[1], w.found[2]

@@ -47,7 +47,7 @@ class ModelConfig:
   max_len: int = 2048
   rope_theta: float = 10000.0
   tie_embeddings: bool = True
-  init_state: str = InitState.RANDOM.value
+  init_state: InitState = InitState.RANDOM
   init_std: float = 0.02
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6
@@ -105,7 +105,7 @@ class TrainConfig:
   lr: float = 3e-3
   min_lr_ratio: float = 0.1
   warmup_steps: int = 50
-  schedule: str = Schedule.COSINE.value
+  schedule: Schedule = Schedule.COSINE
   decay_frac: float = 0.2
   weight_decay: float = 0.1
   b1: float = 0.9
@@ -117,14 +117,16 @@ class TrainConfig:
   ckpt_every: int = 200
   keep_checkpoints: int = 3
   log_every: int = 20
-  nan_policy: str = NanPolicy.STOP.value
+  nan_policy: NanPolicy = NanPolicy.STOP
+  peak_flops: float = 0.0    # device peak FLOP/s for the logged MFU (0: by device kind,
+                             # none on CPU)
   max_skips: int = 10
 
 
 @dataclasses.dataclass
 class ExitConfig:
   """Inference-time exit policy."""
-  policy: str = ExitPolicy.KL.value
+  policy: ExitPolicy = ExitPolicy.KL
   eps: float = 1e-3
   depth: int = 8             # A0 depth
   min_loops: int = 1
@@ -145,8 +147,27 @@ class Config:
   exit: ExitConfig = dataclasses.field(default_factory=ExitConfig)
 
 
+_SECTION_NAMES = {ModelConfig: 'model', DepthConfig: 'depth', DataConfig: 'data',
+                  TrainConfig: 'train', ExitConfig: 'exit'}
+
+
 class ConfigError(ValueError):
   """A configuration that cannot work, found before any compilation."""
+
+
+def _check_enums(cfg: Config) -> None:
+  """Turns enum fields given as strings (JSON, tests) into their enums, or names the bad one."""
+  for section in (cfg.model, cfg.depth, cfg.data, cfg.train, cfg.exit):
+    for f in dataclasses.fields(section):
+      kind = f.type
+      if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        value = getattr(section, f.name)
+        try:
+          setattr(section, f.name, kind(value))
+        except ValueError:
+          raise ConfigError(
+              f'{_SECTION_NAMES[type(section)]}.{f.name}={value!r} not in '
+              f'{sorted(x.value for x in kind)}') from None
 
 
 def validate(cfg: Config) -> None:
@@ -159,9 +180,7 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for RoPE')
   if min(m.n_prelude, m.n_core, m.n_coda) < 0 or m.n_core < 1:
     raise ConfigError('model needs n_core >= 1 and n_prelude, n_coda >= 0')
-  valid = {x.value for x in InitState}
-  if m.init_state not in valid:
-    raise ConfigError(f'model.init_state={m.init_state!r} not in {sorted(valid)}')
+  _check_enums(cfg)
   if m.dtype not in ('float32', 'bfloat16', 'float16'):
     raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
   if not d.mean >= 1 or not math.isfinite(d.mean):
@@ -188,15 +207,8 @@ def validate(cfg: Config) -> None:
                       f'of batch_size*seq_len={t.batch_size * t.seq_len}')
   if cfg.data.loss_on not in ('all', 'answers'):
     raise ConfigError(f'data.loss_on={cfg.data.loss_on!r} not in all/answers')
-  if t.schedule not in {x.value for x in Schedule}:
-    raise ConfigError(f'train.schedule={t.schedule!r} unknown')
-  if t.nan_policy not in {x.value for x in NanPolicy}:
-    raise ConfigError(f'train.nan_policy={t.nan_policy!r} unknown')
   if not t.lr > 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')
-  if e.policy not in {x.value for x in ExitPolicy}:
-    raise ConfigError(f'exit.policy={e.policy!r} not in '
-                      f'{sorted(x.value for x in ExitPolicy)}')
   if not e.eps >= 0:
     raise ConfigError(f'exit.eps={e.eps} must be >= 0')
   if not 1 <= e.min_loops <= e.max_loops:

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import policies, recurrence
+from elastic_depth import losses, policies, recurrence
 from elastic_depth.config import ExitConfig, ExitPolicy
-from elastic_depth.model import LoopedLM, positions
+from elastic_depth.model import LoopedLM
 
 
 class ScoreResult(NamedTuple):
@@ -42,7 +42,7 @@ def _freeze(kv_prev, active_BxL):
 
 
 def _max_loops(cfg: ExitConfig) -> int:
-  return cfg.depth if ExitPolicy(cfg.policy) == ExitPolicy.UNIFORM else cfg.max_loops
+  return cfg.depth if cfg.policy == ExitPolicy.UNIFORM else cfg.max_loops
 
 
 def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Array, *,
@@ -61,37 +61,36 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
   Returns:
     ScoreResult with logits_BxLxV computed by the coda on the final states.
   """
-  pos = positions(tokens_BxL)
-  e, pre_kv = model.encode(tokens_BxL, pos)
-  s0 = model.initial_state(e, rng)
-  b, l = tokens_BxL.shape
-  c = model.cfg
-  zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
-  kv0 = [(zeros, zeros) for _ in range(c.n_core)]
-
-  def masked_step(s, kv, active):
-    fns = [_freeze(kv[j], active) for j in range(c.n_core)]
-    return model.core_step(s, e, pos, fns)
-
-  readout = lambda s: model.decode_state(s, pos)[0]
-  check_fn, carry0 = policies.make_check_fn(
-      cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
-      router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
-  res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
-                              min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
-                              check_every=cfg.check_every, trace=trace)
-  h, coda_kv = model.decode_state(res.state, pos)
-  return ScoreResult(model.logits(h), res.depth, res.traces, res.kv, e, res.state, pre_kv,
-                     coda_kv)
+  out = model.forward(tokens_BxL, rng, exit_loop(cfg, router=router, targets_BxL=targets_BxL,
+                                                 trace=trace))
+  res = out.aux
+  return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.e, out.state,
+                     out.prelude_kv, out.coda_kv)
 
 
-def nll(logits_BxLxV, targets_BxL, mask_BxL=None) -> jax.Array:
-  """Per-token negative log-likelihood in fp32 [B, L] (masked to 0)."""
-  logits = logits_BxLxV.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  tgt = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
-  out = lse - tgt
-  return out if mask_BxL is None else out * mask_BxL
+def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False):
+  """Loop policy for LoopedLM.forward: per-token early exit in parallel semantics.
+
+  The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
+  """
+  def loop(model: LoopedLM, s0, e, pos):
+    b, l = s0.shape[:2]
+    c = model.cfg
+    zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
+    kv0 = [(zeros, zeros) for _ in range(c.n_core)]
+
+    def masked_step(s, kv, active):
+      return model.core_step(s, e, pos, [_freeze(kv[j], active) for j in range(c.n_core)])
+
+    readout = lambda s: model.decode_state(s, pos)[0]
+    check_fn, carry0 = policies.make_check_fn(
+        cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
+        router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
+    res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
+                                min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
+                                check_every=cfg.check_every, trace=trace)
+    return res.state, res
+  return loop
 
 
 # ----------------------------------------------------------------------------
@@ -156,13 +155,6 @@ def _pair_cached(cache_kv, pos):
   return fn
 
 
-def _kl_rows(logits_new_BxV, logits_old_BxV):
-  """KL(p_new || p_old) per row, fp32, from logits."""
-  a = jax.nn.log_softmax(logits_new_BxV.astype(jnp.float32), -1)
-  b = jax.nn.log_softmax(logits_old_BxV.astype(jnp.float32), -1)
-  return jnp.maximum(jnp.sum(jnp.exp(a) * (a - b), -1), 0.0)
-
-
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
                 router=None):
   """One new token at scalar position pos: returns (logits_BxV, cache, depth_B).
@@ -184,7 +176,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   def readout(s):
     return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
 
-  fast = ExitPolicy(cfg.policy) == ExitPolicy.KL and router is None
+  fast = cfg.policy == ExitPolicy.KL and router is None
   if fast:
     check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
   else:
@@ -221,7 +213,7 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     logits = model.logits(h)
     n = cache.coda[0][0].shape[1] if cache.coda else 0
     kv_new = [(k[:, n + 1:n + 2], v[:, n + 1:n + 2]) for k, v in kvs]
-    return _kl_rows(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
+    return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
 
   def check_fn(s_new, s_old, carry, i, active_Bx1):
     logits_c, kv_c, fresh = carry

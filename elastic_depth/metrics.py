@@ -8,6 +8,42 @@ from typing import Optional
 import tqdm
 from tensorboardX import SummaryWriter
 
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets; substring of device_kind).
+PEAK_BF16_FLOPS = (
+    ('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('RTX 4090', 165e12),
+    ('L4', 121e12), ('TPU v5 lite', 197e12), ('TPU v5e', 197e12), ('TPU v5p', 459e12),
+    ('TPU v4', 275e12), ('TPU v6', 918e12),
+)
+
+
+def measure_matmul_peak(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:
+  """Achieved FLOP/s of a large square matmul on the default device (median); benchmarks."""
+  import statistics, time  # pylint: disable=g-import-not-at-top,multiple-imports
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / statistics.median(times)
+
+
+def peak_flops(configured: float = 0.0, device_kind: Optional[str] = None) -> float:
+  """Peak FLOP/s for MFU: the configured value, else the device kind's bf16 peak, else 0."""
+  if configured > 0:
+    return configured
+  if device_kind is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    device_kind = jax.devices()[0].device_kind
+  for name, flops in PEAK_BF16_FLOPS:
+    if name.lower() in device_kind.lower():
+      return flops
+  return 0.0
+
 
 class MetricWriter:
   """Writes scalars to <workdir>/metrics.jsonl and TensorBoard event files."""

@@ -11,13 +11,14 @@ KV cache; every block returns the keys/values it actually attended to.
 """
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from elastic_depth.config import InitState, ModelConfig
+from elastic_depth import recurrence
+from elastic_depth.config import DepthConfig, InitState, ModelConfig
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
 
@@ -163,10 +164,35 @@ class LoopedLM(nnx.Module):
 
   def initial_state(self, e_BxLxD, rng: jax.Array) -> jax.Array:
     """Recurrent state before the first loop: truncated normal or zeros."""
-    if self.cfg.init_state == InitState.ZEROS.value:
+    if self.cfg.init_state == InitState.ZEROS:
       return jnp.zeros_like(e_BxLxD)
     s = jax.random.truncated_normal(rng, -3.0, 3.0, e_BxLxD.shape, jnp.float32)
     return (self.cfg.state_std * s).astype(e_BxLxD.dtype)
+
+  def forward(self, tokens_BxL: jax.Array, key: jax.Array, loop: 'LoopFn', *,
+              s0_BxLxD: Optional[jax.Array] = None) -> 'Forward':
+    """The one forward pass: prelude, the core under a loop policy, coda and head.
+
+    Args:
+      tokens_BxL: int32 input tokens.
+      key: key of the random initial recurrent state.
+      loop: how the core runs, (model, s0_BxLxD, e_BxLxD, pos_BxL) -> (s_BxLxD, aux):
+        `fixed`, `bucketed`, `dynamic` below, or an early-exit loop (inference).
+      s0_BxLxD: an explicit initial state (default: `initial_state(e, key)`).
+    Returns:
+      Forward with logits_BxLxV (fp32), the final state, the loop's aux output and
+      the prelude/coda keys and values.
+    """
+    pos = positions(tokens_BxL)
+    e, pre_kv = self.encode(tokens_BxL, pos)
+    s0 = self.initial_state(e, key) if s0_BxLxD is None else s0_BxLxD.astype(e.dtype)
+    s, aux = loop(self, s0, e, pos)
+    h, coda_kv = self.decode_state(s, pos)
+    return Forward(self.logits(h), s, aux, e, pre_kv, coda_kv)
+
+  def step_fn(self, e_BxLxD, pos_BxL) -> Callable[[jax.Array], jax.Array]:
+    """One core loop as s -> s (no key/value hooks), for the fixed-depth loops."""
+    return lambda s: self.core_step(s, e_BxLxD, pos_BxL)[0]
 
   def core_step(self, s_BxLxD, e_BxLxD, pos_BxL, kv_fns=None):
     """One loop of the shared core; returns the new state and per-block (k, v)."""
@@ -185,6 +211,54 @@ class LoopedLM(nnx.Module):
     return dense(h_BxLxD, w.T, preferred_element_type=jnp.float32)  # BLD,VD->BLV
 
 
+class Forward(NamedTuple):
+  """Output of LoopedLM.forward."""
+  logits: jax.Array   # [B, L, V] fp32
+  state: jax.Array    # final recurrent state [B, L, D]
+  aux: Any            # what the loop policy returned beside the state
+  e: jax.Array        # prelude output [B, L, D] (re-injected at every loop)
+  prelude_kv: Any     # per prelude block (k, v)
+  coda_kv: Any        # per coda block (k, v) of the final readout
+
+
+LoopFn = Callable[[LoopedLM, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def fixed(n: int, *, remat: bool = True) -> LoopFn:
+  """Loop policy: n loops (static) as one lax.scan."""
+  return lambda m, s0, e, pos: (recurrence.fixed_depth(m.step_fn(e, pos), s0, n,
+                                                       remat=remat), None)
+
+
+def bucketed(bucket_idx: jax.Array, depth: DepthConfig) -> LoopFn:
+  """Loop policy for training: depth.buckets[bucket_idx] loops behind one lax.switch."""
+  return lambda m, s0, e, pos: (recurrence.bucketed_depth(
+      m.step_fn(e, pos), s0, bucket_idx, depth.buckets,
+      backprop_depth=depth.backprop_depth, remat=depth.remat), None)
+
+
+def dynamic(n: jax.Array) -> LoopFn:
+  """Loop policy: a traced number of loops (forward only), one executable for every n."""
+  return lambda m, s0, e, pos: (recurrence.dynamic_depth(m.step_fn(e, pos), s0, n), None)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> LoopedLM:
+  """Instantiates the LM with fp32 parameters."""
+  return LoopedLM(cfg, nnx.Rngs(seed))
+
+
+def abstract_params(cfg: ModelConfig):
+  """(graphdef, parameter shapes as a pure dict of ShapeDtypeStructs); nothing allocated."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)
+  return graphdef, nnx.to_pure_dict(params)
+
+
+def bind(graphdef, params) -> LoopedLM:
+  """Rebuilds the module from a pure parameter dict (inside or outside jit)."""
+  state = nnx.State(jax.tree.map(lambda x: nnx.Param(x), params))
+  return nnx.merge(graphdef, state)
+
+
 def positions(tokens_BxL) -> jax.Array:
   """Positions 0..L-1 broadcast over the batch."""
   b, l = tokens_BxL.shape
@@ -193,10 +267,7 @@ def positions(tokens_BxL) -> jax.Array:
 
 def count_params(cfg: ModelConfig) -> int:
   """Unique parameter count, computed abstractly (nothing allocated)."""
-  abstract = nnx.eval_shape(lambda: LoopedLM(cfg, nnx.Rngs(0)))
-  state = nnx.state(abstract, nnx.Param)
-  return sum(int(x.size) if hasattr(x, 'size') else 0
-             for x in jax.tree.leaves(state))
+  return sum(int(x.size) for x in jax.tree.leaves(abstract_params(cfg)[1]))
 
 
 def flops_per_token(cfg: ModelConfig, r: float, seq_len: int) -> dict:

@@ -27,21 +27,23 @@ class Harvest(NamedTuple):
   loops_N: np.ndarray   # the loop i each pair comes from (1-based)
 
 
+def _recorded_loop(r_max: int) -> model_lib.LoopFn:
+  """Loop policy: r_max loops, recording each loop's state (fp32) and argmax prediction."""
+  def loop(mdl, s0, e, pos):
+    def body(s, _):
+      s = mdl.core_step(s, e, pos)[0]
+      am = jnp.argmax(mdl.logits(mdl.decode_state(s, pos)[0]), -1)
+      return s, (s.astype(jnp.float32), am)
+    return jax.lax.scan(body, s0, None, length=r_max)
+  return loop
+
+
 def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
             max_pairs: int = 200_000, seed: int = 0) -> Harvest:
   """Runs every batch at uniform depth r_max, recording states and argmax at each loop."""
   @jax.jit
   def run(inputs_BxL):
-    pos = model_lib.positions(inputs_BxL)
-    e, _ = mdl.encode(inputs_BxL, pos)
-    s0 = mdl.initial_state(e, rng)
-
-    def body(s, _):
-      s = mdl.core_step(s, e, pos)[0]
-      am = jnp.argmax(mdl.logits(mdl.decode_state(s, pos)[0]), -1)
-      return s, (s.astype(jnp.float32), am)
-    _, (states, am) = jax.lax.scan(body, s0, None, length=r_max)
-    return states, am  # [R, B, L, D], [R, B, L]
+    return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux  # [R, B, L, D], [R, B, L]
 
   feats, labels, loops = [], [], []
   for b in batches:

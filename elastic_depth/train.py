@@ -15,8 +15,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from elastic_depth import losses, policies
 from elastic_depth import model as model_lib
-from elastic_depth import inference, policies, recurrence
 from elastic_depth.config import (Config, ConfigError, NanPolicy, Schedule, grad_accum_steps,
                                   validate)
 
@@ -32,17 +32,12 @@ class NonFiniteError(FloatingPointError):
   """Raised when the loss or gradient is NaN/Inf and the policy is to stop."""
 
 
-def build_model(cfg: Config, seed: int = 0) -> model_lib.LoopedLM:
-  """Instantiates the LM with fp32 parameters."""
-  return model_lib.LoopedLM(cfg.model, nnx.Rngs(seed))
-
-
 def lr_schedule(cfg: Config) -> optax.Schedule:
   """Linear warmup then cosine, or warmup-stable-decay."""
   t = cfg.train
   warm = max(t.warmup_steps, 1)
   floor = t.lr * t.min_lr_ratio
-  if Schedule(t.schedule) == Schedule.COSINE:
+  if t.schedule == Schedule.COSINE:
     return optax.warmup_cosine_decay_schedule(0.0, t.lr, warm, max(t.steps, warm + 1), floor)
   decay = max(int(t.decay_frac * t.steps), 1)
   stable = max(t.steps - warm - decay, 0)
@@ -63,42 +58,10 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 def init_state(cfg: Config, seed: int = 0):
   """Returns (graphdef, TrainState) with freshly initialised parameters."""
-  graphdef, params = nnx.split(build_model(cfg, seed), nnx.Param)
-  params = params.to_pure_dict()
+  graphdef, params = nnx.split(model_lib.build_model(cfg.model, seed), nnx.Param)
+  params = nnx.to_pure_dict(params)
   opt_state = make_optimizer(cfg).init(params)
   return graphdef, TrainState(jnp.int32(0), params, opt_state)
-
-
-def bind(graphdef, params) -> model_lib.LoopedLM:
-  """Rebuilds the module from a pure parameter dict (inside or outside jit)."""
-  state = nnx.State(jax.tree.map(lambda x: nnx.Param(x), params))
-  return nnx.merge(graphdef, state)
-
-
-def forward_bucket(mdl, inputs_BxL, bucket_idx, key, cfg: Config) -> jax.Array:
-  """Logits [B, L, V] at depth cfg.depth.buckets[bucket_idx] (switch over fixed scans)."""
-  pos = model_lib.positions(inputs_BxL)
-  e, _ = mdl.encode(inputs_BxL, pos)
-  s0 = mdl.initial_state(e, key)
-  step = lambda s: mdl.core_step(s, e, pos)[0]
-  s = recurrence.bucketed_depth(step, s0, bucket_idx, cfg.depth.buckets,
-                                backprop_depth=cfg.depth.backprop_depth,
-                                remat=cfg.depth.remat)
-  return mdl.logits(mdl.decode_state(s, pos)[0])
-
-
-def forward_depth(mdl, inputs_BxL, depth, key) -> jax.Array:
-  """Logits [B, L, V] at a traced uniform depth (forward only)."""
-  pos = model_lib.positions(inputs_BxL)
-  e, _ = mdl.encode(inputs_BxL, pos)
-  s0 = mdl.initial_state(e, key)
-  s = recurrence.dynamic_depth(lambda s: mdl.core_step(s, e, pos)[0], s0, depth)
-  return mdl.logits(mdl.decode_state(s, pos)[0])
-
-
-def masked_nll(logits_BxLxV, targets_BxL, mask_BxL):
-  """(sum of NLL over unmasked targets, number of targets), fp32."""
-  return jnp.sum(inference.nll(logits_BxLxV, targets_BxL, mask_BxL)), jnp.sum(mask_BxL)
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -111,12 +74,12 @@ def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
   """Builds the jitted pure step: (state, batch of [A, B, L] arrays) -> (state, metrics)."""
   tx = make_optimizer(cfg)
   seed_key = jax.random.key(cfg.train.seed)
-  skip = NanPolicy(cfg.train.nan_policy) == NanPolicy.SKIP
+  skip = cfg.train.nan_policy == NanPolicy.SKIP
 
   def loss_fn(params, micro, bucket_idx, key):
-    mdl = bind(graphdef, params)
-    logits = forward_bucket(mdl, micro['inputs'], bucket_idx, key, cfg)
-    total, count = masked_nll(logits, micro['targets'], micro['mask'])
+    mdl = model_lib.bind(graphdef, params)
+    out = mdl.forward(micro['inputs'], key, model_lib.bucketed(bucket_idx, cfg.depth))
+    total, count = losses.masked_nll(out.logits, micro['targets'], micro['mask'])
     return total, count  # sums: micro-batches are weighted by their token counts
 
   def step_fn(state: TrainState, batch):
@@ -157,8 +120,9 @@ def make_eval_step(graphdef, cfg: Config) -> Callable:
 
   @jax.jit
   def eval_step(params, batch, depth):
-    logits = forward_depth(bind(graphdef, params), batch['inputs'], depth, key)
-    return masked_nll(logits, batch['targets'], batch['mask'])
+    mdl = model_lib.bind(graphdef, params)
+    out = mdl.forward(batch['inputs'], key, model_lib.dynamic(depth))
+    return losses.masked_nll(out.logits, batch['targets'], batch['mask'])
   return eval_step
 
 
@@ -195,32 +159,9 @@ def config_dict(cfg: Config) -> dict:
   return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def accum_steps(cfg: Config) -> int:
-  """Micro-batches per optimizer step (from tokens_per_step when set)."""
-  return grad_accum_steps(cfg.train)
-
-
-def wall_clock() -> float:
-  """Monotonic seconds."""
-  return time.perf_counter()
-
-
 def place_state(state: TrainState, mesh: Mesh) -> TrainState:
   """Replicates the state on the mesh (so the first step does not recompile)."""
   return jax.device_put(state, NamedSharding(mesh, P()))
-
-
-def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
-  """Achieved FLOP/s of a large square matmul on the default device (median)."""
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / float(np.median(times))
 
 
 class _Preemption:
@@ -280,6 +221,192 @@ def _end_jsonl_line(path: str) -> None:
     pass
 
 
+@dataclasses.dataclass
+class _Run:
+  """What the training loop needs, built by _prepare before anything compiles."""
+  cfg: Config
+  workdir: str
+  mesh: Mesh
+  mngr: Any
+  ds: Any
+  graphdef: Any
+  state: TrainState
+  start: int
+  tok_info: dict
+
+
+def _check_batch_split(cfg: Config) -> None:
+  b, n = cfg.train.batch_size, jax.process_count()
+  if b % n or (b // n) % max(jax.local_device_count(), 1):
+    raise ConfigError(f'train.batch_size={b} is not divisible across '
+                      f'{jax.device_count()} devices')
+
+
+def _build_data(cfg: Config, workdir: str):
+  """The data pipeline; a tokenizer trained on data that then failed is not kept."""
+  from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
+  tok_file = os.path.join(workdir, 'tokenizer.json')
+  had_tok = os.path.exists(tok_file)
+  try:
+    return data_lib.build(cfg.data, seq_len=cfg.train.seq_len,
+                          batch_size=cfg.train.batch_size // jax.process_count(),
+                          vocab_size=cfg.model.vocab_size, workdir=workdir,
+                          shard_index=jax.process_index(), shard_count=jax.process_count())
+  except data_lib.DataError:
+    if not had_tok and os.path.exists(tok_file):
+      os.remove(tok_file)
+    raise
+
+
+def _restore(mngr, state, cfg: Config, ds) -> tuple[int, TrainState]:
+  """(start step, state) from the newest usable checkpoint, or (0, state) if none."""
+  from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
+  restored = checkpoint.restore_latest(mngr, state, cfg, tokenizer=ds.tokenizer,
+                                       quarantine=True)
+  if restored is None:
+    print(f'--resume: no checkpoint in {mngr.directory} yet; starting at step 0', flush=True)
+    return 0, state
+  start, state, meta = restored
+  try:
+    ds.train_iter.set_state(meta['data_iter'])
+  except Exception as e:  # pylint: disable=broad-except
+    raise checkpoint.CheckpointError(
+        f'checkpoint {mngr.directory}/{start}: its data-iterator state does not fit the '
+        f'current data ({type(e).__name__}: {e}); resume with the data flags of that run'
+    ) from e
+  return start, state
+
+
+def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
+  """Phase 1: config, workdir, checkpoint compatibility, data, state (nothing compiled)."""
+  from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
+  validate(cfg)
+  check_workdir(workdir)
+  t = cfg.train
+  _check_batch_split(cfg)
+  mngr = checkpoint.existing_manager(workdir, t.keep_checkpoints)
+  steps = list(mngr.all_steps()) if mngr is not None else []
+  if steps and not resume:
+    raise ConfigError(f'{workdir!r} already holds checkpoints {steps}; pass --resume to '
+                      'continue, or choose a new --workdir (nothing deleted)')
+  found = checkpoint.latest_meta(mngr) if steps else None
+  if found is not None:  # before building data or compiling anything
+    where = f'{mngr.directory}/{found[0]}'
+    checkpoint.check_model_config(found[1].get('config', {}).get('model', {}), cfg.model,
+                                  where)
+  ds = _build_data(cfg, workdir)
+  if found is not None:
+    checkpoint.check_tokenizer(found[1].get('tokenizer'), ds.tokenizer, where)
+  if mngr is None:
+    mngr = checkpoint.manager(workdir, t.keep_checkpoints)
+  graphdef, state = init_state(cfg, t.seed)
+  start = 0
+  if resume:
+    start, state = _restore(mngr, state, cfg, ds)
+  mesh = make_mesh()
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+      json.dump(config_dict(cfg), f, indent=1)
+  return _Run(cfg, workdir, mesh, mngr, ds, graphdef, place_state(state, mesh), start,
+              checkpoint.tokenizer_info(ds.tokenizer))
+
+
+def _bad_step(r: _Run, done: int, m: dict, skips: int) -> None:
+  """Phase 3: a non-finite step; raises NonFiniteError when the policy says stop."""
+  from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
+  t = r.cfg.train
+  if t.nan_policy == NanPolicy.SKIP and skips <= t.max_skips:
+    return
+  checkpoint.wait(r.mngr)  # the bad state is never saved
+  good = checkpoint.committed_steps(r.mngr)
+  why = ('train.nan_policy=stop' if t.nan_policy == NanPolicy.STOP else
+         f'{skips} non-finite steps skipped, more than train.max_skips={t.max_skips}')
+  raise NonFiniteError(
+      f'non-finite loss/gradient at step {done} (loss={m["loss"]}, grad_norm='
+      f'{m["grad_norm"]}, depth {int(m["depth"])}; {why}); '
+      + (f'last good checkpoint: step {good[-1]} in {r.mngr.directory} (resume with '
+         '--resume, e.g. with a lower --config.train.lr)' if good else
+         'no checkpoint was saved'))
+
+
+class _Throughput:
+  """Tokens/s between log points (the first step, which compiles, is excluded)."""
+
+  def __init__(self, start: int, tokens_per_step: int):
+    self.t0, self.step0, self.tokens_per_step = time.perf_counter(), start, tokens_per_step
+
+  def reset(self, step: int) -> None:
+    self.t0, self.step0 = time.perf_counter(), step
+
+  def rate(self, step: int) -> float:
+    now = time.perf_counter()
+    tps = (step - self.step0) * self.tokens_per_step / max(now - self.t0, 1e-9)
+    self.t0, self.step0 = now, step
+    return tps
+
+
+def _loop(r: _Run, pre: '_Preemption', writer, bar) -> tuple[dict, int]:
+  """Phase 2: the steps, evaluation and checkpoints; returns (summary, skips)."""
+  from elastic_depth import checkpoint, metrics  # pylint: disable=g-import-not-at-top
+  cfg, t = r.cfg, r.cfg.train
+  accum = grad_accum_steps(t)
+  step_fn = make_train_step(r.graphdef, cfg, r.mesh)
+  eval_step = make_eval_step(r.graphdef, cfg)
+  val = r.ds.val_batches(t.eval_batches)
+  depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
+  peak = metrics.peak_flops(t.peak_flops)
+  flops_tok, schedule = train_flops_per_token(cfg), lr_schedule(cfg)
+  meter = _Throughput(r.start, accum * t.batch_size * t.seq_len)
+  meta = lambda: {'config': config_dict(cfg), 'data_iter': r.ds.train_iter.get_state(),
+                  'tokenizer': r.tok_info}
+  skips, summary = 0, {}
+  for step in range(r.start, t.steps):
+    if pre.signum is not None:  # signalled before the first step: nothing new to save
+      print(f'\npreempted by signal {pre.signum} before step {step + 1}: nothing new to '
+            'save, exiting', flush=True)
+      return {**summary, 'preempted_at': step}, skips
+    batch = shard_batch([next(r.ds.train_iter) for _ in range(accum)], r.mesh, accum)
+    r.state, m = step_fn(r.state, batch)
+    m, done = jax.device_get(m), step + 1
+    finite = bool(m['finite'])
+    skips += (not finite) and t.nan_policy == NanPolicy.SKIP
+    rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'], skipped=skips,
+               lr=float(schedule(step)))
+    log = done % t.log_every == 0 or done == t.steps
+    if step == r.start:
+      meter.reset(done)
+    elif log:
+      tps = meter.rate(done)
+      rec.update(tokens_per_s=tps, **({'mfu': tps * flops_tok / peak} if peak else {}))
+      bar.set_postfix(loss=f'{m["loss"]:.3f}', r=int(m['depth']), tok_s=f'{tps:,.0f}')
+    if log or step == r.start or not finite:
+      writer.write(done, rec, 'train/')
+    if not finite:
+      _bad_step(r, done, m, skips)
+    bar.update(1)
+    if done % t.eval_every == 0 or done == t.steps:
+      val_loss = evaluate(eval_step, r.state.params, val, depths)
+      writer.write(done, {f'loss_r{d}': v for d, v in val_loss.items()}, 'val/')
+      summary = {**summary, 'step': done, 'val_loss': val_loss}
+    if done % t.ckpt_every == 0 or done == t.steps or pre.signum is not None:
+      checkpoint.save(r.mngr, done, r.state, meta(), force=True)
+    if pre.signum is not None:
+      checkpoint.wait(r.mngr)
+      print(f'\npreempted by signal {pre.signum}: saved step {done}, exiting', flush=True)
+      return {**summary, 'preempted_at': done}, skips
+  checkpoint.wait(r.mngr)
+  return summary, skips
+
+
+def _finish(r: _Run, summary: dict, skips: int) -> dict:
+  """Phase 4: the summary file."""
+  summary.update(skipped=skips, last_step=int(r.state.step))
+  if jax.process_index() == 0:
+    with open(os.path.join(r.workdir, 'summary.json'), 'w', encoding='utf-8') as f:
+      json.dump(summary, f, indent=1)
+  return summary
+
+
 def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False) -> dict:
   """Trains cfg in workdir; returns the final summary (losses by depth, tokens/s).
 
@@ -289,138 +416,23 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
   and return with summary['preempted_at']. A non-finite loss or gradient raises
   NonFiniteError (nan_policy=stop, or after max_skips skips) without saving the bad state.
   """
-  validate(cfg)
-  check_workdir(workdir)
-  from elastic_depth import checkpoint, data as data_lib, metrics  # pylint: disable=g-import-not-at-top
-  t = cfg.train
+  from elastic_depth import metrics  # pylint: disable=g-import-not-at-top
   with _Preemption() as pre:
-    mesh = make_mesh()
-    if t.batch_size % jax.process_count() or (t.batch_size // jax.process_count()) % max(
-        jax.local_device_count(), 1):
-      raise ConfigError(f'train.batch_size={t.batch_size} is not divisible across '
-                        f'{jax.device_count()} devices')
-    mngr = checkpoint.existing_manager(workdir, t.keep_checkpoints)
-    steps = list(mngr.all_steps()) if mngr is not None else []
-    if steps and not resume:
-      raise ConfigError(f'{workdir!r} already holds checkpoints {steps}; pass '
-                        '--resume to continue, or choose a new --workdir (nothing deleted)')
-    found = checkpoint.latest_meta(mngr) if steps else None
-    if found is not None:  # before building data or compiling anything
-      where = f'{mngr.directory}/{found[0]}'
-      checkpoint.check_model_config(found[1].get('config', {}).get('model', {}), cfg.model,
-                                    where)
-    tok_file = os.path.join(workdir, 'tokenizer.json')
-    had_tok = os.path.exists(tok_file)
-    try:
-      ds = data_lib.build(cfg.data, seq_len=t.seq_len,
-                          batch_size=t.batch_size // jax.process_count(),
-                          vocab_size=cfg.model.vocab_size, workdir=workdir,
-                          shard_index=jax.process_index(), shard_count=jax.process_count())
-    except data_lib.DataError:
-      if not had_tok and os.path.exists(tok_file):  # trained on data that failed: not reused
-        os.remove(tok_file)
-      raise
-    if found is not None:
-      checkpoint.check_tokenizer(found[1].get('tokenizer'), ds.tokenizer, where)
-    if mngr is None:
-      mngr = checkpoint.manager(workdir, t.keep_checkpoints)
-    graphdef, state = init_state(cfg, t.seed)
-    start = 0
-    if resume:
-      restored = checkpoint.restore_latest(mngr, state, cfg, tokenizer=ds.tokenizer,
-                                           quarantine=True)
-      if restored is None:
-        print(f'--resume: no checkpoint in {mngr.directory} yet; starting at step 0',
-              flush=True)
-      else:
-        start, state, meta = restored
-        try:
-          ds.train_iter.set_state(meta['data_iter'])
-        except Exception as e:  # pylint: disable=broad-except
-          raise checkpoint.CheckpointError(
-              f'checkpoint {mngr.directory}/{start}: its data-iterator state does not fit '
-              f'the current data ({type(e).__name__}: {e}); resume with the data flags of '
-              'that run') from e
-    state = place_state(state, mesh)
-    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-      json.dump(config_dict(cfg), f, indent=1)
-    accum = accum_steps(cfg)
-    step_fn = make_train_step(graphdef, cfg, mesh)
-    eval_step = make_eval_step(graphdef, cfg)
-    val = ds.val_batches(t.eval_batches)
-    depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
+    r = _prepare(cfg, workdir, resume)
     _end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
-    peak = measure_matmul_peak(1024 if jax.default_backend() == 'cpu' else 8192)
-    flops_tok = train_flops_per_token(cfg)
-    schedule = lr_schedule(cfg)  # for logging; built once, not per step
-    tokens_step = accum * t.batch_size * t.seq_len
-    tok_info = checkpoint.tokenizer_info(ds.tokenizer)
-    meta = lambda: {'config': config_dict(cfg), 'data_iter': ds.train_iter.get_state(),
-                    'tokenizer': tok_info}
-    bar = metrics.progress(t.steps, start, disable=quiet or None)
-    skips, last, last_step, summary = 0, wall_clock(), start, {}
+    bar = metrics.progress(cfg.train.steps, r.start, disable=quiet or None)
     print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
-          f'{ds.describe()}, {tokens_step} tokens/step, steps {start}->{t.steps}', flush=True)
+          f'{r.ds.describe()}, '
+          f'{grad_accum_steps(cfg.train) * cfg.train.batch_size * cfg.train.seq_len} '
+          f'tokens/step, steps {r.start}->{cfg.train.steps}', flush=True)
     try:
-      for step in range(start, t.steps):
-        if pre.signum is not None:  # signalled before the first step: nothing new to save
-          print(f'\npreempted by signal {pre.signum} before step {step + 1}: nothing new '
-                'to save, exiting', flush=True)
-          summary['preempted_at'] = step
-          break
-        batch = shard_batch([next(ds.train_iter) for _ in range(accum)], mesh, accum)
-        state, m = step_fn(state, batch)
-        m = jax.device_get(m)
-        done = step + 1
-        finite = bool(m['finite'])
-        skips += (not finite) and NanPolicy(t.nan_policy) == NanPolicy.SKIP
-        rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'],
-                   skipped=skips, lr=float(schedule(step)))
-        if step == start:  # exclude compilation from the throughput
-          last, last_step = wall_clock(), done
-        elif done % t.log_every == 0 or done == t.steps:
-          now = wall_clock()
-          tps = (done - last_step) * tokens_step / max(now - last, 1e-9)
-          last, last_step = now, done
-          rec.update(tokens_per_s=tps, mfu=tps * flops_tok / peak)
-          bar.set_postfix(loss=f'{m["loss"]:.3f}', r=int(m['depth']), tok_s=f'{tps:,.0f}')
-        if done % t.log_every == 0 or done == t.steps or step == start or not finite:
-          writer.write(done, rec, 'train/')
-        if not finite and (NanPolicy(t.nan_policy) == NanPolicy.STOP or skips > t.max_skips):
-          checkpoint.wait(mngr)  # the bad state is never saved
-          good = checkpoint.committed_steps(mngr)
-          why = ('train.nan_policy=stop' if NanPolicy(t.nan_policy) == NanPolicy.STOP else
-                 f'{skips} non-finite steps skipped, more than train.max_skips='
-                 f'{t.max_skips}')
-          raise NonFiniteError(
-              f'non-finite loss/gradient at step {done} (loss={m["loss"]}, grad_norm='
-              f'{m["grad_norm"]}, depth {int(m["depth"])}; {why}); '
-              + (f'last good checkpoint: step {good[-1]} in {mngr.directory} (resume with '
-                 '--resume, e.g. with a lower --config.train.lr)' if good else
-                 'no checkpoint was saved'))
-        bar.update(1)
-        if done % t.eval_every == 0 or done == t.steps:
-          losses = evaluate(eval_step, state.params, val, depths)
-          writer.write(done, {f'loss_r{d}': v for d, v in losses.items()}, 'val/')
-          summary = {**summary, 'step': done, 'val_loss': losses}
-        if done % t.ckpt_every == 0 or done == t.steps or pre.signum is not None:
-          checkpoint.save(mngr, done, state, meta(), force=True)
-        if pre.signum is not None:
-          checkpoint.wait(mngr)
-          print(f'\npreempted by signal {pre.signum}: saved step {done}, exiting',
-                flush=True)
-          summary['preempted_at'] = done
-          break
-      checkpoint.wait(mngr)
+      summary, skips = _loop(r, pre, writer, bar)
     finally:
       bar.close()
       writer.close()
       try:
-        mngr.close()
+        r.mngr.close()
       except Exception:  # pylint: disable=broad-except  already raised or reported
         pass
-  summary.update(skipped=skips, last_step=int(state.step))
-  with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
-    json.dump(summary, f, indent=1)
-  return summary
+  return _finish(r, summary, skips)

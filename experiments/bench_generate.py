@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from elastic_depth import config, inference, model as model_lib
+from elastic_depth import config, inference, losses, model as model_lib
 from experiments import bench_util
 
 SHAPES = {
@@ -61,7 +61,7 @@ def _parts(mdl, repeats: int) -> dict:
   def pair(s):
     x = jnp.concatenate([s, 0.5 * s], axis=1)
     logits = mdl.logits(mdl.decode_state(x, pos2)[0])
-    return inference._kl_rows(logits[:, 1], logits[:, 0])  # pylint: disable=protected-access
+    return losses.kl_from_logits(logits[:, 1], logits[:, 0])
   pair = jax.jit(pair)
   reps = max(repeats * 10, 20)
   out = {k: 1e3 * _median_time(f, s, repeats=reps)

@@ -11,7 +11,7 @@ FLOPs are model FLOPs: 3x the forward matmul FLOPs of `model.flops_per_token` at
 depth r (the usual "6N" convention); `hw_flops_per_token` also counts the forward
 of the core loops recomputed in the backward pass by `jax.checkpoint` (remat).
 Both are divided by the matmul peak measured in the same process
-(`train.measure_matmul_peak`, one large fp32 jnp.dot), before and after the shapes.
+(`metrics.measure_matmul_peak`, one large fp32 jnp.dot), before and after the shapes.
 
 The machine may be shared: the JSON records the load average and the busiest
 other processes, and only ratios measured within one run are meaningful.
@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from elastic_depth import config as config_lib
+from elastic_depth import metrics
 from elastic_depth import model as model_lib
 from elastic_depth import train as train_lib
 
@@ -214,7 +215,7 @@ def main(argv):
   load_start = os.getloadavg()
   procs_start = busy_processes()
   t_start = time.perf_counter()
-  peaks = [train_lib.measure_matmul_peak(FLAGS.peak_n)]
+  peaks = [metrics.measure_matmul_peak(FLAGS.peak_n)]
   results = []
   for name in FLAGS.shapes:
     cap = SHAPES[name][3] if FLAGS.cap_heavy else None
@@ -223,7 +224,7 @@ def main(argv):
     results.append(res)
     print(f'{name}: {res["tokens_per_s"]:,.0f} tok/s (median of {steps}, '
           f'compile {res["compile_s"]:.1f}s)', flush=True)
-  peaks.append(train_lib.measure_matmul_peak(FLAGS.peak_n))
+  peaks.append(metrics.measure_matmul_peak(FLAGS.peak_n))
   peak = float(statistics.median(peaks))
   for res in results:
     res['fraction_of_peak'] = res['model_flops_per_s'] / peak

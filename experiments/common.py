@@ -8,6 +8,7 @@ another corpus with the model's own tokenizer.
 """
 
 import dataclasses
+import enum
 import json
 import os
 import sys
@@ -94,6 +95,8 @@ def config_from_dict(d: dict, cls=Config) -> Any:
       kw[k] = config_from_dict(v, type(cur))
     elif isinstance(cur, tuple):
       kw[k] = tuple(v)
+    elif isinstance(cur, enum.Enum):
+      kw[k] = type(cur)(v)
     else:
       kw[k] = v
   return cls(**kw)
@@ -171,15 +174,16 @@ def load_config(workdir: str) -> Config:
 def load_model(workdir: str, step: Optional[int] = None):
   """(cfg, fp32 model, step, checkpoint meta) from the checkpoint of a workdir."""
   import jax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   from elastic_depth import checkpoint, train  # pylint: disable=g-import-not-at-top
+  from elastic_depth import model as model_lib  # pylint: disable=g-import-not-at-top
   cfg = load_config(workdir)
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype='float32'))
-  abstract_model = nnx.eval_shape(lambda: train.build_model(cfg))
-  graphdef, _ = nnx.split(abstract_model, nnx.Param)
+  graphdef, _ = model_lib.abstract_params(cfg.model)
+  # the checkpoint holds the whole TrainState (its checksum covers all of it): restore
+  # against its abstract shape (eval_shape: no optimizer state is allocated)
   abstract = jax.eval_shape(lambda: train.init_state(cfg)[1])
   state, meta = checkpoint.load_state(workdir, abstract, cfg, step)
-  return cfg, train.bind(graphdef, state.params), int(state.step), meta
+  return cfg, model_lib.bind(graphdef, state.params), int(state.step), meta
 
 
 def load(opts: Options) -> Loaded:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, policies, train
+from elastic_depth import analysis, config, inference, losses, policies
 from elastic_depth import model as model_lib
 
 R, B, L = 6, 2, 8
@@ -37,7 +37,7 @@ def _score(mdl, batches, rng, cfg):
   with jax.default_matmul_precision('highest'):
     for k, b in enumerate(batches):
       out = inference.score(mdl, jnp.asarray(b['inputs']), cfg, analysis.batch_key(rng, k))
-      nll.append(np.asarray(inference.nll(out.logits, jnp.asarray(b['targets']))))
+      nll.append(np.asarray(losses.nll(out.logits, jnp.asarray(b['targets']))))
       depth.append(np.asarray(out.depth))
   return np.concatenate(nll), np.concatenate(depth)
 
@@ -58,14 +58,15 @@ def test_elasticity_equals_separate_uniform_runs(setup):
   assert len(set(np.round(el['loss'], 4))) > 1  # the depths differ: a real test
   # independent path: the training forward pass at a traced depth (one compilation)
   graphdef, state = nnx.split(mdl)
-  fwd = jax.jit(lambda st, x, d, key: train.forward_depth(nnx.merge(graphdef, st), x, d, key))
+  fwd = jax.jit(lambda st, x, d, key: nnx.merge(graphdef, st).forward(
+      x, key, model_lib.dynamic(d)).logits)
   mask = np.concatenate([b['mask'] for b in batches]).astype(np.float64)
   for d in (1, 3, R):
     nll = []
     with jax.default_matmul_precision('highest'):
       for k, b in enumerate(batches):
         logits = fwd(state, jnp.asarray(b['inputs']), jnp.int32(d), analysis.batch_key(rng, k))
-        nll.append(np.asarray(inference.nll(logits, jnp.asarray(b['targets']))))
+        nll.append(np.asarray(losses.nll(logits, jnp.asarray(b['targets']))))
     nll = np.concatenate(nll)
     ref = np.sum(nll * mask) / np.sum(mask)
     np.testing.assert_allclose(el['loss'][d - 1], ref, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,6 @@ from flax import nnx
 
 from elastic_depth import config as config_lib
 from elastic_depth import model as model_lib
-from elastic_depth import train as train_lib
 
 # ----------------------------------------------------------------------------
 # Float64 numpy reference of the architecture (written from the module docstring).
@@ -218,12 +217,12 @@ def test_block_matches_numpy(model_cfg):
 @pytest.mark.parametrize('tie', [True, False])
 def test_whole_looped_lm_matches_numpy(make_config, tie):
   cfg = make_config(model=dict(tie_embeddings=tie))
-  mdl = train_lib.build_model(cfg, seed=1)
+  mdl = model_lib.build_model(cfg.model, seed=1)
   randomise(mdl, 10)
   tokens = jnp.asarray(np.random.default_rng(11).integers(0, 64, (2, 6)), jnp.int32)
   key = jax.random.key(3)
   idx = 2  # depth cfg.depth.buckets[2] = 3
-  got = jax.jit(lambda m, t, i: train_lib.forward_bucket(m, t, i, key, cfg))(
+  got = jax.jit(lambda m, t, i: m.forward(t, key, model_lib.bucketed(i, cfg.depth)).logits)(
       mdl, tokens, jnp.int32(idx))
   s0 = mdl.initial_state(jnp.zeros((2, 6, cfg.model.d_model)), key)
   want = np_looped_lm(mdl, np.asarray(tokens), s0, cfg.depth.buckets[idx])
@@ -259,7 +258,7 @@ def test_loss_at_t_has_zero_gradient_wrt_later_positions(model_cfg):
 
   # The embedding-level forward is the model's own forward.
   depth_cfg = config_lib.Config(depth=config_lib.DepthConfig(buckets=(1, 2, r), r_max=r))
-  logits = train_lib.forward_bucket(mdl, tokens, 2, jax.random.key(0), depth_cfg)
+  logits = mdl.forward(tokens, jax.random.key(0), model_lib.bucketed(2, depth_cfg.depth)).logits
   mdl_loss = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None],
                                   axis=-1)[..., 0]
   np.testing.assert_allclose(np.asarray(nll_per_position(x0)), np.asarray(mdl_loss),

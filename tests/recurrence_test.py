@@ -11,7 +11,6 @@ from flax import nnx
 
 from elastic_depth import model as model_lib
 from elastic_depth import recurrence
-from elastic_depth import train as train_lib
 
 BUCKETS = (1, 2, 3, 5)
 BACKPROP_DEPTH = 2
@@ -32,7 +31,7 @@ def core(model_cfg):
   proj = jnp.asarray(rng.normal(size=(2, 8, model_cfg.d_model)), jnp.float32)
 
   def loss_of(params, run):
-    mdl = train_lib.bind(graphdef, params)
+    mdl = model_lib.bind(graphdef, params)
     pos = model_lib.positions(tokens)
     e, _ = mdl.encode(tokens, pos)
     s0 = mdl.initial_state(e, jax.random.key(1))

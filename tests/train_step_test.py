@@ -76,7 +76,7 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
     assert int(m['depth']) == int(r) and depth == cfg.depth.buckets[int(idx)]
     assert float(m['tokens']) == host['mask'].sum()
     # Forward at that depth, a Python loop, from the same initial-state key.
-    mdl = train_lib.bind(graphdef, jax.tree.map(jnp.asarray, params))
+    mdl = model_lib.bind(graphdef, jax.tree.map(jnp.asarray, params))
     tokens = jnp.asarray(host['inputs'])
     pos = model_lib.positions(tokens)
     e, _ = mdl.encode(tokens, pos)
