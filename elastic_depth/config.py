@@ -118,6 +118,8 @@ class TrainConfig:
   keep_checkpoints: int = 3
   log_every: int = 20
   nan_policy: NanPolicy = NanPolicy.STOP
+  fsdp: int = 1              # devices over which parameters/optimizer state are split
+  fsdp_axis: str = 'D'       # the logical axis (shape-suffix letter) split over fsdp
   peak_flops: float = 0.0    # device peak FLOP/s for the logged MFU (0: by device kind,
                              # none on CPU)
   max_skips: int = 10
@@ -207,6 +209,10 @@ def validate(cfg: Config) -> None:
                       f'of batch_size*seq_len={t.batch_size * t.seq_len}')
   if cfg.data.loss_on not in ('all', 'answers'):
     raise ConfigError(f'data.loss_on={cfg.data.loss_on!r} not in all/answers')
+  if t.fsdp < 1:
+    raise ConfigError(f'train.fsdp={t.fsdp} must be >= 1')
+  if t.fsdp_axis not in ('D', 'F', 'V', 'H', 'K'):
+    raise ConfigError(f'train.fsdp_axis={t.fsdp_axis!r} not in D/F/V/H/K')
   if not t.lr > 0:
     raise ConfigError(f'train.lr={t.lr} must be > 0')
   if not e.eps >= 0:

@@ -6,19 +6,18 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from elastic_depth import losses, policies
+from elastic_depth import distributed, losses, policies
 from elastic_depth import model as model_lib
-from elastic_depth.config import (Config, ConfigError, NanPolicy, Schedule, grad_accum_steps,
-                                  validate)
+from elastic_depth.config import (Config, ConfigError, NanPolicy, Schedule, TrainConfig,
+                                  grad_accum_steps, validate)
 
 
 class TrainState(struct.PyTreeNode):
@@ -64,12 +63,6 @@ def init_state(cfg: Config, seed: int = 0):
   return graphdef, TrainState(jnp.int32(0), params, opt_state)
 
 
-def make_mesh(devices=None) -> Mesh:
-  """A 1-D data-parallel mesh over all (or the given) devices."""
-  devices = jax.devices() if devices is None else devices
-  return Mesh(np.asarray(devices), ('data',))
-
-
 def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
   """Builds the jitted pure step: (state, batch of [A, B, L] arrays) -> (state, metrics)."""
   tx = make_optimizer(cfg)
@@ -109,9 +102,10 @@ def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
     return new, metrics
 
   rep = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P(None, 'data'))
-  return jax.jit(step_fn, in_shardings=(rep, data), out_shardings=(rep, rep),
-                 donate_argnums=(0,))
+  shard = distributed.state_shardings(jax.eval_shape(lambda: init_state(cfg)[1]), mesh,
+                                      cfg.train)
+  return jax.jit(step_fn, in_shardings=(shard, distributed.batch_sharding(mesh)),
+                 out_shardings=(shard, rep), donate_argnums=(0,))
 
 
 def make_eval_step(graphdef, cfg: Config) -> Callable:
@@ -139,16 +133,6 @@ def evaluate(eval_step, params, batches, depths) -> dict[int, float]:
   return out
 
 
-def shard_batch(batch, mesh: Mesh, accum: int):
-  """Stacks host batches to [A, B, L] and places them on the data axis."""
-  sharding = NamedSharding(mesh, P(None, 'data'))
-  out = {}
-  for k in ('inputs', 'targets', 'mask'):
-    x = np.stack([b[k] for b in batch]) if accum > 1 else batch[0][k][None]
-    out[k] = jax.make_array_from_process_local_data(sharding, x)
-  return out
-
-
 def train_flops_per_token(cfg: Config) -> float:
   """Model FLOPs per trained token at the mean depth (3x forward, remat not counted)."""
   return 3 * model_lib.flops_per_token(cfg.model, cfg.depth.mean, cfg.train.seq_len)['total']
@@ -159,9 +143,10 @@ def config_dict(cfg: Config) -> dict:
   return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def place_state(state: TrainState, mesh: Mesh) -> TrainState:
-  """Replicates the state on the mesh (so the first step does not recompile)."""
-  return jax.device_put(state, NamedSharding(mesh, P()))
+def place_state(state: TrainState, mesh: Mesh, t: Optional[TrainConfig] = None
+                ) -> TrainState:
+  """Puts the state on the mesh by the sharding rules (so the first step does not recompile)."""
+  return distributed.place(state, distributed.state_shardings(state, mesh, t or TrainConfig()))
 
 
 class _Preemption:
@@ -243,6 +228,16 @@ def _check_batch_split(cfg: Config) -> None:
 
 
 def _build_data(cfg: Config, workdir: str):
+  """The data pipeline; process 0 first (it may write tokenizer.json), then the others."""
+  if jax.process_count() == 1:
+    return _build_data_here(cfg, workdir)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  ds = _build_data_here(cfg, workdir) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices('elastic_depth: data of process 0 built')
+  return ds if ds is not None else _build_data_here(cfg, workdir)
+
+
+def _build_data_here(cfg: Config, workdir: str):
   """The data pipeline; a tokenizer trained on data that then failed is not kept."""
   from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
   tok_file = os.path.join(workdir, 'tokenizer.json')
@@ -258,14 +253,20 @@ def _build_data(cfg: Config, workdir: str):
     raise
 
 
-def _restore(mngr, state, cfg: Config, ds) -> tuple[int, TrainState]:
-  """(start step, state) from the newest usable checkpoint, or (0, state) if none."""
+def _restore(mngr, state, mesh: Mesh, cfg: Config, ds) -> tuple[int, TrainState]:
+  """(start step, state on the mesh) from the newest usable checkpoint, or step 0.
+
+  The target carries this run's shardings, so a checkpoint restores onto any device or
+  process count.
+  """
   from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
-  restored = checkpoint.restore_latest(mngr, state, cfg, tokenizer=ds.tokenizer,
-                                       quarantine=True)
+  target = distributed.abstract_like(
+      state, distributed.state_shardings(state, mesh, cfg.train))
+  restored = checkpoint.restore_latest(mngr, target, cfg, tokenizer=ds.tokenizer,
+                                       quarantine=jax.process_index() == 0)
   if restored is None:
     print(f'--resume: no checkpoint in {mngr.directory} yet; starting at step 0', flush=True)
-    return 0, state
+    return 0, place_state(state, mesh, cfg.train)
   start, state, meta = restored
   try:
     ds.train_iter.set_state(meta['data_iter'])
@@ -277,14 +278,16 @@ def _restore(mngr, state, cfg: Config, ds) -> tuple[int, TrainState]:
   return start, state
 
 
-def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
-  """Phase 1: config, workdir, checkpoint compatibility, data, state (nothing compiled)."""
+def preflight(cfg: Config, workdir: str, resume: bool):
+  """Every check before compiling: config, workdir, checkpoints, data; returns (mngr, data).
+
+  mngr is None when the workdir holds no checkpoints folder yet (nothing is created).
+  """
   from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
   validate(cfg)
   check_workdir(workdir)
-  t = cfg.train
   _check_batch_split(cfg)
-  mngr = checkpoint.existing_manager(workdir, t.keep_checkpoints)
+  mngr = checkpoint.existing_manager(workdir, cfg.train.keep_checkpoints)
   steps = list(mngr.all_steps()) if mngr is not None else []
   if steps and not resume:
     raise ConfigError(f'{workdir!r} already holds checkpoints {steps}; pass --resume to '
@@ -297,17 +300,26 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
   ds = _build_data(cfg, workdir)
   if found is not None:
     checkpoint.check_tokenizer(found[1].get('tokenizer'), ds.tokenizer, where)
+  return mngr, ds
+
+
+def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
+  """Phase 1: preflight, then the state (fresh or restored) on the mesh."""
+  from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
+  t = cfg.train
+  mngr, ds = preflight(cfg, workdir, resume)
   if mngr is None:
     mngr = checkpoint.manager(workdir, t.keep_checkpoints)
+  mesh = distributed.mesh_for(t)
   graphdef, state = init_state(cfg, t.seed)
-  start = 0
   if resume:
-    start, state = _restore(mngr, state, cfg, ds)
-  mesh = make_mesh()
+    start, state = _restore(mngr, state, mesh, cfg, ds)
+  else:
+    start, state = 0, place_state(state, mesh, t)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       json.dump(config_dict(cfg), f, indent=1)
-  return _Run(cfg, workdir, mesh, mngr, ds, graphdef, place_state(state, mesh), start,
+  return _Run(cfg, workdir, mesh, mngr, ds, graphdef, state, start,
               checkpoint.tokenizer_info(ds.tokenizer))
 
 
@@ -365,7 +377,8 @@ def _loop(r: _Run, pre: '_Preemption', writer, bar) -> tuple[dict, int]:
       print(f'\npreempted by signal {pre.signum} before step {step + 1}: nothing new to '
             'save, exiting', flush=True)
       return {**summary, 'preempted_at': step}, skips
-    batch = shard_batch([next(r.ds.train_iter) for _ in range(accum)], r.mesh, accum)
+    batch = distributed.shard_batch([next(r.ds.train_iter) for _ in range(accum)], r.mesh,
+                                    accum)
     r.state, m = step_fn(r.state, batch)
     m, done = jax.device_get(m), step + 1
     finite = bool(m['finite'])

@@ -35,6 +35,7 @@ import numpy as np
 
 from elastic_depth import config as config_lib
 from elastic_depth import metrics
+from elastic_depth import distributed
 from elastic_depth import model as model_lib
 from elastic_depth import train as train_lib
 
@@ -148,11 +149,11 @@ def bench_shape(name: str, steps: int, warmup: int) -> dict:
   """Compiles and times the train step of one shape."""
   r = FLAGS.depth or SHAPES[name][2]
   cfg = shape_config(name, r, FLAGS.dtype, FLAGS.remat)
-  mesh = train_lib.make_mesh(jax.devices()[:1])
+  mesh = distributed.make_mesh(jax.devices()[:1])
   graphdef, state = train_lib.init_state(cfg, cfg.train.seed)
   state = train_lib.place_state(state, mesh)
   step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
-  batch = train_lib.shard_batch([random_batch(cfg)], mesh, 1)
+  batch = distributed.shard_batch([random_batch(cfg)], mesh, 1)
   tokens = cfg.train.batch_size * cfg.train.seq_len
 
   t0 = time.perf_counter()

@@ -6,6 +6,13 @@
 
 Every config field is a flag: --config.model.d_model=256, --config.depth.mean=4, ...
 
+  python -m experiments.pretrain --flagfile=launch/135m.flags --workdir=runs/135m --dry_run
+      # every check, then the step compiled ahead of time: memory per device, FLOPs, time
+
+Several processes (JAX's own engine): pass --coordinator_address=HOST:PORT
+--num_processes=N --process_id=I to each, or run under SLURM / Open MPI / Cloud TPU / GKE
+(or with JAX_COORDINATOR_ADDRESS set), where jax.distributed finds its peers itself.
+
 Exit codes: 0 done (or preempted by SIGTERM/SIGINT after saving a checkpoint: rerun with
 --resume); 2 a one-line `error: ...` on stderr (bad flag, config, data, checkpoint, a
 non-finite loss, a failed save); 130 a second interrupt (stopped without saving).
@@ -18,7 +25,7 @@ from ml_collections import config_flags
 
 from elastic_depth import checkpoint
 from elastic_depth import config as config_lib
-from elastic_depth import train
+from elastic_depth import distributed, dry_run, train
 from experiments import flags_util
 from elastic_depth.data import DataError
 
@@ -37,6 +44,15 @@ _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints, me
                                'reports go.')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in workdir.')
 _QUIET = flags.DEFINE_bool('quiet', False, 'No progress bar.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Check everything and compile the step ahead '
+                             'of time (memory, FLOPs, time estimates); train nothing.')
+_DRY_MFU = flags.DEFINE_float('dry_run_mfu', 0.45, 'MFU assumed by the dry run\'s estimates.')
+_COORD = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0 '
+                             '(multi-process runs).')
+_NPROC = flags.DEFINE_integer('num_processes', None, 'Number of processes.')
+_PID = flags.DEFINE_integer('process_id', None, 'This process\'s index, 0..num_processes-1.')
+_HEARTBEAT = flags.DEFINE_integer('heartbeat_timeout_s', 100, 'Seconds without a peer\'s '
+                                  'heartbeat before a multi-process run stops with an error.')
 
 ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.NonFiniteError)
 
@@ -57,6 +73,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   cfg = _CONFIG.value
   try:
+    distributed.initialize(_COORD.value, _NPROC.value, _PID.value, _HEARTBEAT.value)
+    if _DRY_RUN.value:
+      print(dry_run.describe(dry_run.run(cfg, _WORKDIR.value, resume=_RESUME.value,
+                                         mfu=_DRY_MFU.value)), flush=True)
+      return
     summary = train.run(cfg, _WORKDIR.value, resume=_RESUME.value, quiet=_QUIET.value)
   except ERRORS as e:
     _fail(str(e))

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from conftest import random_batch, tiny_config
+from elastic_depth import distributed
 from elastic_depth import train as train_lib
 
 # Random initial recurrent state (the default), 2 micro-batches of 4 sequences.
@@ -32,14 +33,14 @@ cfg = tiny_config(train=dict(batch_size=4),
 steps = [[random_batch(cfg, 10 * s + a, mask_frac=0.2) for a in range(2)] for s in range(2)]
 out = {'device_count': jax.device_count()}
 for name, devices in (('mesh4', jax.devices()), ('mesh1', jax.devices()[:1])):
-  mesh = train_lib.make_mesh(devices)
+  mesh = distributed.make_mesh(devices)
   graphdef, state = train_lib.init_state(cfg, seed=0)
   init = np.concatenate([np.asarray(p).ravel() for p in jax.tree.leaves(state.params)])
   state = train_lib.place_state(state, mesh)
   step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
   metrics, shards = [], []
   for micro in steps:
-    batch = train_lib.shard_batch(micro, mesh, 2)
+    batch = distributed.shard_batch(micro, mesh, 2)
     x = batch['inputs']
     shards.append([x.shape, x.sharding.shard_shape(x.shape), len(x.sharding.device_set)])
     state, m = step_fn(state, batch)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from elastic_depth import distributed
 from elastic_depth import model as model_lib
 from elastic_depth import policies
 from elastic_depth import train as train_lib
@@ -14,7 +15,7 @@ from elastic_depth import train as train_lib
 
 @pytest.fixture(scope='module')
 def mesh():
-  return train_lib.make_mesh(jax.devices()[:1])
+  return distributed.make_mesh(jax.devices()[:1])
 
 
 @pytest.fixture(scope='module')
@@ -51,7 +52,7 @@ def np_masked_nll(logits_BxLxV, targets_BxL, mask_BxL):
 def test_memorises_a_fixed_batch(setup, mesh, make_batch):
   cfg, _, step_fn = setup
   state = fresh_state(cfg, mesh)
-  batch = train_lib.shard_batch([make_batch(cfg, 0)], mesh, 1)
+  batch = distributed.shard_batch([make_batch(cfg, 0)], mesh, 1)
   losses = []
   for _ in range(30):
     state, m = step_fn(state, batch)
@@ -69,7 +70,7 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
   for step in range(6):
     host = make_batch(cfg, 100 + step, mask_frac=0.3)
     params = host_copy(state.params)
-    state, m = step_fn(state, train_lib.shard_batch([host], mesh, 1))
+    state, m = step_fn(state, distributed.shard_batch([host], mesh, 1))
     depth = int(m['bucket'])
     seen.add(depth)
     r, idx = policies.draw_bucket(seed_key, step, cfg.depth)
@@ -95,7 +96,7 @@ def test_step_compiles_once_across_depths(setup, mesh, make_batch):
   state = fresh_state(cfg, mesh)
   depths = set()
   for step in range(8):
-    state, m = step_fn(state, train_lib.shard_batch([make_batch(cfg, step)], mesh, 1))
+    state, m = step_fn(state, distributed.shard_batch([make_batch(cfg, step)], mesh, 1))
     depths.add(int(m['bucket']))
   assert len(depths) >= 2
   assert int(state.step) == 8
@@ -106,19 +107,19 @@ def test_nan_skip_keeps_params_and_optimizer_state(setup, mesh, make_batch):
   cfg, _, step_fn = setup
   state = fresh_state(cfg, mesh)
   good = make_batch(cfg, 1)
-  state, m = step_fn(state, train_lib.shard_batch([good], mesh, 1))
+  state, m = step_fn(state, distributed.shard_batch([good], mesh, 1))
   assert bool(m['finite'])
   bad = dict(good, mask=good['mask'].copy())
   bad['mask'][1, 3] = np.nan
   params, opt_state = host_copy(state.params), host_copy(state.opt_state)
-  state, m = step_fn(state, train_lib.shard_batch([bad], mesh, 1))
+  state, m = step_fn(state, distributed.shard_batch([bad], mesh, 1))
   assert not bool(m['finite'])
   assert not np.isfinite(float(m['loss']))
   assert int(state.step) == 2
   jax.tree.map(np.testing.assert_array_equal, host_copy(state.params), params)
   jax.tree.map(np.testing.assert_array_equal, host_copy(state.opt_state), opt_state)
   # Skipping is not sticky: the next good batch updates the parameters again.
-  state, m = step_fn(state, train_lib.shard_batch([good], mesh, 1))
+  state, m = step_fn(state, distributed.shard_batch([good], mesh, 1))
   assert bool(m['finite'])
   assert trees_max_diff(host_copy(state.params), params) > 1e-4
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(host_copy(state.params)))
@@ -145,7 +146,7 @@ def run_accum_pair(cfg, mesh, step_fn, big_batches):
         parts = [{k: v[:half] for k, v in big.items()}, {k: v[half:] for k, v in big.items()}]
       else:
         parts = [big]
-      state, m = step_fn(state, train_lib.shard_batch(parts, mesh, accum))
+      state, m = step_fn(state, distributed.shard_batch(parts, mesh, accum))
       losses.append((float(m['loss']), float(m['grad_norm']), float(m['tokens'])))
     results.append((np.array(losses), host_copy(state.params)))
   return results

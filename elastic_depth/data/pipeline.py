@@ -68,11 +68,20 @@ class Windows:
 
 def train_dataset(windows: Windows, batch_size: int, seed: int, shard_index: int = 0,
                   shard_count: int = 1) -> grain.MapDataset:
-  """Infinite grain dataset of batches: this host's windows, reshuffled every epoch."""
-  ds = grain.MapDataset.source(windows)
-  if shard_count > 1:
-    ds = ds[shard_index::shard_count]
-  return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+  """Infinite grain dataset of this host's rows of the global batches.
+
+  The global stream (all windows, reshuffled every epoch, in batches of
+  batch_size * shard_count) does not depend on the number of hosts: host i takes rows
+  [i * batch_size, (i + 1) * batch_size) of every global batch, so hosts draw disjoint
+  windows, and a run resumed on another host count continues the same stream.
+  """
+  glob = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+  if shard_count == 1:
+    return glob.batch(batch_size, drop_remainder=True)
+  lo = shard_index * batch_size
+  rows = grain.MapDataset.range(0, len(glob)).map(
+      lambda k: (k // batch_size) * batch_size * shard_count + lo + k % batch_size)
+  return rows.map(lambda j: glob[j]).batch(batch_size, drop_remainder=True)
 
 
 def fixed_batches(windows: Windows, batch_size: int, n: int | None) -> list[dict]:

@@ -1,0 +1,136 @@
+"""Many processes on JAX's own engine: 2 processes x 2 CPU devices train like 1 x 4 and 1 x 1.
+
+Every run is `python -m experiments.pretrain` in subprocesses talking only to 127.0.0.1;
+the per-step losses come from each run's metrics.jsonl (written by process 0 only).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 20
+
+FLAGS = [
+    '--config.data.source=synthetic', '--config.data.synth_examples=600',
+    '--config.data.synth_max_hops=2', '--config.model.vocab_size=64',
+    '--config.model.d_model=32', '--config.model.num_heads=4', '--config.model.num_kv_heads=2',
+    '--config.model.head_dim=8', '--config.model.mlp_dim=64', '--config.model.max_len=32',
+    '--config.depth.mean=1.5', '--config.depth.r_max=2', '--config.depth.buckets=(1,2)',
+    '--config.train.seq_len=16', '--config.train.batch_size=8', f'--config.train.steps={STEPS}',
+    '--config.train.lr=1e-2', '--config.train.warmup_steps=2', '--config.train.log_every=1',
+    '--config.train.eval_every=1000', '--config.train.ckpt_every=10',
+    '--config.train.eval_depths=(1,)', '--quiet',
+]
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=REPO,
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  for k in ('SLURM_STEP_NUM_TASKS', 'OMPI_COMM_WORLD_SIZE', 'JAX_COORDINATOR_ADDRESS'):
+    env.pop(k, None)
+  return env
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _start(workdir, devices: int, extra=(), proc=None):
+  args = [sys.executable, '-m', 'experiments.pretrain', f'--workdir={workdir}', *FLAGS,
+          *extra]
+  if proc is not None:
+    args += [f'--coordinator_address=127.0.0.1:{proc[0]}', '--num_processes=2',
+             f'--process_id={proc[1]}', '--heartbeat_timeout_s=10']
+  return subprocess.Popen(args, cwd=REPO, env=_env(devices), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _wait(p, timeout=420):
+  out, err = p.communicate(timeout=timeout)
+  assert p.returncode == 0, err[-4000:]
+  return out
+
+
+def _losses(workdir) -> dict[int, float]:
+  out = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    for line in f:
+      rec = json.loads(line)
+      if 'train/loss' in rec:
+        out[rec['step']] = rec['train/loss']
+  return out
+
+
+def _two_processes(workdir, extra=()):
+  port = _port()
+  procs = [_start(workdir, 2, extra, (port, i)) for i in range(2)]
+  return [_wait(p) for p in procs]
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp('multihost')
+  wd = {k: str(root / k) for k in ('p2', 'd4', 'd1', 'fsdp4', 'resume')}
+  _two_processes(wd['p2'])
+  singles = [_start(wd['d4'], 4), _start(wd['d1'], 1),
+             _start(wd['fsdp4'], 4, ['--config.train.fsdp=4'])]
+  for p in singles:
+    _wait(p)
+  # the 2-process checkpoint of step 10, resumed by 1 process with 1 device
+  shutil.copytree(wd['p2'], wd['resume'])
+  shutil.rmtree(os.path.join(wd['resume'], 'checkpoints', str(STEPS)))
+  os.remove(os.path.join(wd['resume'], 'metrics.jsonl'))
+  _wait(_start(wd['resume'], 1, ['--resume']))
+  return {k: _losses(v) for k, v in wd.items()}
+
+
+def _assert_same(a: dict, b: dict, steps):
+  assert set(steps) <= set(a) and set(steps) <= set(b)
+  for s in steps:
+    assert a[s] == pytest.approx(b[s], rel=2e-5, abs=1e-6), s
+
+
+def test_two_processes_equal_four_devices_and_one(runs):
+  _assert_same(runs['p2'], runs['d4'], range(1, STEPS + 1))
+  _assert_same(runs['p2'], runs['d1'], range(1, STEPS + 1))
+  assert runs['d1'][1] - runs['d1'][STEPS] > 0.05  # it trained: a real comparison
+
+
+def test_fsdp_equals_one_device(runs):
+  _assert_same(runs['fsdp4'], runs['d1'], range(1, STEPS + 1))
+
+
+def test_two_process_checkpoint_resumes_on_one_device(runs):
+  assert min(runs['resume']) == 11
+  _assert_same(runs['resume'], runs['p2'], range(11, STEPS + 1))
+
+
+def test_a_killed_peer_stops_the_other_process(tmp_path):
+  port = _port()
+  extra = ['--config.train.steps=100000', '--config.train.ckpt_every=100000']
+  procs = [_start(str(tmp_path / 'wd'), 2, extra, (port, i)) for i in range(2)]
+  metrics = tmp_path / 'wd' / 'metrics.jsonl'
+  deadline = time.time() + 300
+  while not (metrics.exists() and metrics.read_text().count('\n') >= 3):
+    assert time.time() < deadline and procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+    time.sleep(0.5)
+  procs[1].send_signal(signal.SIGKILL)
+  t0 = time.time()
+  try:
+    _, err = procs[0].communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    procs[0].kill()
+    pytest.fail('the surviving process hung after its peer was killed')
+  assert procs[0].returncode != 0
+  assert time.time() - t0 < 120
+  assert err.strip(), 'no error message'
