@@ -1,6 +1,6 @@
 """Orbax checkpoints: parameters, optimizer state, data-iterator state and config.
 
-Fault model (see docs_faults.md):
+Fault model (see WORKSPACE.md, "Faults and bad input"):
   * Saves are atomic: orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames it on
     commit, so a save interrupted by a kill, a crash or a full disk leaves the previous
     checkpoint restorable (tmp folders are never listed as steps).
