@@ -1,7 +1,6 @@
 """A2 router: harvested oracle labels against a brute-force loop over uniform depths."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,18 +11,12 @@ B, L, R = 2, 8, 5
 
 
 @pytest.fixture(scope='module')
-def setup():
-  cfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
-                           head_dim=8, mlp_dim=64, n_prelude=1, n_core=1, n_coda=1,
-                           max_len=64, init_std=0.1)
-  mdl = model_lib.LoopedLM(cfg, nnx.Rngs(5))
-  rng = np.random.default_rng(1)
-  batches = []
-  for k in range(2):
-    mask = np.ones((B, L), np.float32)
-    mask[1, 5 + k:] = 0.0  # padding positions are not harvested
-    batches.append(dict(inputs=jnp.asarray(rng.integers(0, 48, (B, L)), jnp.int32),
-                        mask=mask))
+def setup(make_config, make_batch):
+  """A tiny random model (one core block) and two batches with padded positions."""
+  cfg = make_config(model=dict(n_core=1, init_std=0.1), train=dict(batch_size=B, seq_len=L))
+  mdl = model_lib.LoopedLM(cfg.model, nnx.Rngs(5))
+  batches = [make_batch(cfg, seed, mask_frac=0.25) for seed in (1, 2)]
+  assert min(b['mask'].mean() for b in batches) < 1  # padding is exercised
   return mdl, batches, jax.random.key(2)
 
 
