@@ -172,58 +172,125 @@ def _check_enums(cfg: Config) -> None:
               f'{sorted(x.value for x in kind)}') from None
 
 
-def validate(cfg: Config) -> None:
-  """Raises ConfigError naming the first inconsistent setting."""
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """An allowed interval for a numeric field (NaN and infinities never pass)."""
+  lo: float = -math.inf
+  hi: float = math.inf
+  lo_open: bool = False
+  hi_open: bool = False
+
+  def holds(self, x) -> bool:
+    """Whether x is finite and inside the interval."""
+    if not math.isfinite(x):
+      return False
+    above = x > self.lo if self.lo_open else x >= self.lo
+    below = x < self.hi if self.hi_open else x <= self.hi
+    return above and below
+
+  def __str__(self) -> str:
+    if self.hi == math.inf:
+      return f'{">" if self.lo_open else ">="} {self.lo:g}'
+    return (f'in {"(" if self.lo_open else "["}{self.lo:g}, {self.hi:g}'
+            f'{")" if self.hi_open else "]"}')
+
+
+AT_LEAST_1 = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, lo_open=True)
+UNIT = Range(0, 1)                         # a fraction, both ends allowed
+OPEN_UNIT = Range(0, 1, lo_open=True, hi_open=True)
+BETA = Range(0, 1, hi_open=True)           # Adam moment decay
+
+# section -> field -> allowed range, for every numeric field (tuples: every element).
+RANGES = {
+    'model': dict(vocab_size=AT_LEAST_1, d_model=AT_LEAST_1, num_heads=AT_LEAST_1,
+                  num_kv_heads=AT_LEAST_1, head_dim=Range(2), mlp_dim=AT_LEAST_1,
+                  n_prelude=NON_NEGATIVE, n_core=AT_LEAST_1, n_coda=NON_NEGATIVE,
+                  max_len=AT_LEAST_1, rope_theta=POSITIVE, init_std=POSITIVE,
+                  state_std=NON_NEGATIVE, norm_eps=POSITIVE),
+    'depth': dict(mean=AT_LEAST_1, sigma=NON_NEGATIVE, r_max=AT_LEAST_1,
+                  buckets=AT_LEAST_1, backprop_depth=NON_NEGATIVE),
+    'data': dict(val_fraction=OPEN_UNIT, max_docs=NON_NEGATIVE, seed=NON_NEGATIVE,
+                 synth_examples=AT_LEAST_1, synth_max_hops=AT_LEAST_1,
+                 synth_num_vars=AT_LEAST_1),
+    'train': dict(seed=NON_NEGATIVE, steps=AT_LEAST_1, batch_size=AT_LEAST_1,
+                  seq_len=AT_LEAST_1, grad_accum=AT_LEAST_1, tokens_per_step=NON_NEGATIVE,
+                  lr=POSITIVE, min_lr_ratio=UNIT, warmup_steps=NON_NEGATIVE,
+                  decay_frac=UNIT, weight_decay=NON_NEGATIVE, b1=BETA, b2=BETA,
+                  grad_clip=POSITIVE, eval_every=AT_LEAST_1, eval_batches=AT_LEAST_1,
+                  eval_depths=AT_LEAST_1, ckpt_every=AT_LEAST_1, keep_checkpoints=AT_LEAST_1,
+                  log_every=AT_LEAST_1, max_skips=NON_NEGATIVE, fsdp=AT_LEAST_1,
+                  peak_flops=NON_NEGATIVE),
+    'exit': dict(eps=NON_NEGATIVE, depth=AT_LEAST_1, min_loops=AT_LEAST_1,
+                 max_loops=AT_LEAST_1, check_every=AT_LEAST_1, gate=NON_NEGATIVE),
+}
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_field(name: str, value, like, allowed: Range) -> None:
+  """Raises ConfigError unless value has the type of `like` and lies in `allowed`."""
+  if isinstance(like, tuple):
+    if not value or not all(_is_int(x) and allowed.holds(x) for x in value):
+      raise ConfigError(f'{name}={tuple(value)} must be a non-empty tuple of integers '
+                        f'{allowed}')
+    return
+  number = _is_int(value) or (isinstance(value, float) and not _is_int(like))
+  if not number or not allowed.holds(value):
+    kind = 'an integer' if _is_int(like) else 'a finite number'
+    raise ConfigError(f'{name}={value!r} must be {kind} {allowed}')
+
+
+def _check_ranges(cfg: Config) -> None:
+  """Every numeric field against RANGES, in declaration order."""
+  for section, fields in RANGES.items():
+    sub = getattr(cfg, section)
+    default = type(sub)()
+    for f, allowed in fields.items():
+      _check_field(f'{section}.{f}', getattr(sub, f), getattr(default, f), allowed)
+
+
+def _check_relations(cfg: Config) -> None:
+  """Constraints between fields (their ranges already hold)."""
   m, d, t, e = cfg.model, cfg.depth, cfg.train, cfg.exit
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} is not a multiple of '
                       f'model.num_kv_heads={m.num_kv_heads}')
   if m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for RoPE')
-  if min(m.n_prelude, m.n_core, m.n_coda) < 0 or m.n_core < 1:
-    raise ConfigError('model needs n_core >= 1 and n_prelude, n_coda >= 0')
-  _check_enums(cfg)
-  if m.dtype not in ('float32', 'bfloat16', 'float16'):
-    raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
-  if not d.mean >= 1 or not math.isfinite(d.mean):
-    raise ConfigError(f'depth.mean={d.mean} must be >= 1')
-  if d.sigma < 0:
-    raise ConfigError(f'depth.sigma={d.sigma} must be >= 0')
-  if d.r_max < 1:
-    raise ConfigError(f'depth.r_max={d.r_max} must be >= 1')
   b = tuple(d.buckets)
-  if not all(isinstance(x, int) for x in b):
-    raise ConfigError(f'depth.buckets={b} must be integers')
-  if not b or list(b) != sorted(set(b)) or b[0] < 1:
-    raise ConfigError(f'depth.buckets={b} must be strictly increasing and >= 1')
+  if list(b) != sorted(set(b)):
+    raise ConfigError(f'depth.buckets={b} must be strictly increasing')
   if b[-1] < d.r_max:
     raise ConfigError(f'depth.buckets={b} do not cover depth.r_max={d.r_max}')
-  if d.backprop_depth < 0:
-    raise ConfigError(f'depth.backprop_depth={d.backprop_depth} must be >= 0')
+  if cfg.data.synth_num_vars < cfg.data.synth_max_hops:
+    raise ConfigError(f'data.synth_num_vars={cfg.data.synth_num_vars} must be >= '
+                      f'data.synth_max_hops={cfg.data.synth_max_hops}')
   if t.seq_len > m.max_len:
     raise ConfigError(f'train.seq_len={t.seq_len} > model.max_len={m.max_len}')
-  if t.steps < 1 or t.batch_size < 1 or t.grad_accum < 1:
-    raise ConfigError('train.steps, train.batch_size, train.grad_accum must be >= 1')
   if t.tokens_per_step and t.tokens_per_step % (t.batch_size * t.seq_len):
     raise ConfigError(f'train.tokens_per_step={t.tokens_per_step} is not a multiple '
                       f'of batch_size*seq_len={t.batch_size * t.seq_len}')
-  if cfg.data.loss_on not in ('all', 'answers'):
-    raise ConfigError(f'data.loss_on={cfg.data.loss_on!r} not in all/answers')
-  if t.fsdp < 1:
-    raise ConfigError(f'train.fsdp={t.fsdp} must be >= 1')
-  if t.fsdp_axis not in ('D', 'F', 'V', 'H', 'K'):
-    raise ConfigError(f'train.fsdp_axis={t.fsdp_axis!r} not in D/F/V/H/K')
-  if not t.lr > 0:
-    raise ConfigError(f'train.lr={t.lr} must be > 0')
-  if not e.eps >= 0:
-    raise ConfigError(f'exit.eps={e.eps} must be >= 0')
-  if not 1 <= e.min_loops <= e.max_loops:
+  if e.min_loops > e.max_loops:
     raise ConfigError(f'exit.min_loops={e.min_loops} must be in [1, exit.max_loops='
                       f'{e.max_loops}]')
-  if not e.gate >= 0:
-    raise ConfigError(f'exit.gate={e.gate} must be >= 0')
-  if e.check_every < 1:
-    raise ConfigError(f'exit.check_every={e.check_every} must be >= 1')
+
+
+def validate(cfg: Config) -> None:
+  """Raises ConfigError naming the first inconsistent setting."""
+  _check_ranges(cfg)
+  _check_relations(cfg)
+  m, t = cfg.model, cfg.train
+  _check_enums(cfg)
+  if m.dtype not in ('float32', 'bfloat16', 'float16'):
+    raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
+  if cfg.data.loss_on not in ('all', 'answers'):
+    raise ConfigError(f'data.loss_on={cfg.data.loss_on!r} not in all/answers')
+  if t.fsdp_axis not in ('D', 'F', 'V', 'H', 'K'):
+    raise ConfigError(f'train.fsdp_axis={t.fsdp_axis!r} not in D/F/V/H/K')
 
 
 def grad_accum_steps(t: TrainConfig) -> int:

@@ -80,7 +80,7 @@ def relative_change(s_new, s_old) -> jax.Array:
 
 
 def _kl_stats(h_new, h_old, w_VxD, use_kernel: bool):
-  """(KL(p_new || p_old), argmax p_new, lse p_new, KL(p_old || p_new)) per token."""
+  """(KL(p_new || p_old), argmax p_new, lse p_new) per token, and h_new, h_old as [N, D]."""
   b, l, d = h_new.shape
   hn, ho = h_new.reshape(b * l, d), h_old.reshape(b * l, d)
   kl, am, lse = kl_halting.kl_halting_auto(hn, ho, w_VxD, use_kernel=use_kernel)

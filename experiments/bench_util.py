@@ -1,5 +1,7 @@
-"""Timing helper shared by the benchmarks."""
+"""What the benchmarks share: timing, model shapes and the reference figures."""
 
+import json
+import os
 import statistics
 import time
 
@@ -16,3 +18,39 @@ def time_fn(fn, args, repeats):
     times.append(time.perf_counter() - t0)
   return {'median_s': statistics.median(times), 'min_s': min(times),
           'repeats': repeats}
+
+
+# The model shapes the benchmarks share (the reference figures were measured at S and P).
+MODEL_SHAPES = {
+    'S': dict(vocab_size=4096, d_model=256, num_heads=4, num_kv_heads=4, head_dim=64,
+              mlp_dim=1024, n_prelude=1, n_core=2, n_coda=1),
+    'P': dict(vocab_size=49152, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
+              mlp_dim=1536, n_prelude=2, n_core=4, n_coda=2),  # the 135M blocks
+    'nano': dict(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                 mlp_dim=64, n_prelude=1, n_core=1, n_coda=1),  # smoke tests only
+}
+
+REFERENCE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              'reference_figures.json')
+REFERENCE_NOTE = ('reference measured elsewhere (another machine and run, see '
+                  'experiments/reference_figures.json): a ratio, not a side-by-side measurement')
+
+
+def reference_tok_s(kind: str, shape: str, **settings) -> float | None:
+  """The reference tokens/s for a benchmark kind and shape, if recorded at these settings.
+
+  Args:
+    kind: 'train' or 'generate' (a section of reference_figures.json).
+    shape: a MODEL_SHAPES name.
+    **settings: what our run uses (seq_len=..., batch_size=...); a figure recorded with
+      other values, or another model shape, is not returned.
+  Returns:
+    tokens/s, or None when no comparable figure is recorded.
+  """
+  with open(REFERENCE_FILE, encoding='utf-8') as f:
+    section = json.load(f)[kind]
+  recorded = section['shapes'].get(shape)
+  ours = dict(settings, model=MODEL_SHAPES.get(shape))
+  if recorded is None or any(recorded.get(k) != v for k, v in ours.items()):
+    return None
+  return float(section['tokens_per_s'][shape])

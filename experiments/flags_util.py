@@ -19,8 +19,3 @@ def dedupe_config_overrides(argv: list[str]) -> list[str]:
   keep = [a for i, a in enumerate(expanded)
           if not (a.startswith('--config.') and '=' in a) or last[a.split('=', 1)[0]] == i]
   return argv[:1] + keep
-
-
-def parse(argv: list[str]) -> list[str]:
-  """A flags_parser for absl.app.run."""
-  return flags.FLAGS(dedupe_config_overrides(argv))

@@ -1,13 +1,15 @@
-"""Smoke test of experiments.bench_train: one timed step on the `nano` shape.
+"""Smoke tests of the benchmarks (`nano` shape) and of the reference figures they quote.
 
-Runs the module as a subprocess (its absl flags stay out of the test process) and
-checks the JSON report; it makes no timing assertions.
+Runs the modules as subprocesses (their absl flags stay out of the test process) and
+checks the JSON reports; no timing assertions.
 """
 
 import json
 import os
 import subprocess
 import sys
+
+from experiments import bench_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,13 +46,34 @@ def test_bench_train_writes_positive_numbers(tmp_path):
 def test_bench_generate_writes_all_variants(tmp_path):
   out = tmp_path / 'gen.json'
   proc = subprocess.run(
-      [sys.executable, '-m', 'experiments.bench_generate', '--shapes=T', '--new_tokens=3',
+      [sys.executable, '-m', 'experiments.bench_generate', '--shapes=nano', '--new_tokens=3',
        '--prompt_len=4', '--repeats=1', f'--out={out}'],
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  res = json.loads(out.read_text())['shapes']['T']
+  res = json.loads(out.read_text())['shapes']['nano']
   assert set(res['variants']) == {'a0_r8', 'a1_worst', 'a1_eps', 'a1_gated'}
   for v in res['variants'].values():
     assert v['tokens_per_s'] > 0 and 1 <= v['mean_loops'] <= 32
   assert res['variants']['a0_r8']['mean_loops'] == 8
   assert res['parts']['loop_ms'] > 0 and res['parts']['pair_check_ms'] > 0
+
+
+def test_reference_figures_say_where_they_come_from_and_match_our_shapes():
+  with open(bench_util.REFERENCE_FILE, encoding='utf-8') as f:
+    doc = json.load(f)
+  for key in ('implementation', 'commit', 'torch_version', 'threads', 'machine', 'date'):
+    assert key in doc, key
+  assert 'not a side-by-side' in doc['about']
+  assert doc['generate']['exit_criterion'].startswith('kl')
+  for kind in ('train', 'generate'):
+    for name, tok_s in doc[kind]['tokens_per_s'].items():
+      assert doc[kind]['shapes'][name]['model'] == bench_util.MODEL_SHAPES[name]
+      assert tok_s > 0
+  s = doc['train']['shapes']['S']
+  assert bench_util.reference_tok_s('train', 'S', seq_len=s['seq_len'],
+                                    batch_size=s['batch_size'], depth=s['depth']) == doc['train']['tokens_per_s']['S']
+  # other settings or shapes get no ratio
+  assert bench_util.reference_tok_s('train', 'S', seq_len=128, batch_size=s['batch_size'],
+                                    depth=s['depth']) is None
+  assert bench_util.reference_tok_s('generate', 'nano', batch_size=1) is None
+  assert bench_util.reference_tok_s('generate', 'P', batch_size=1) == doc['generate']['tokens_per_s']['P']

@@ -82,11 +82,9 @@ def test_too_few_distinct_programs():
     synthetic.load(500, 1, 1, seed=0, val_fraction=0.1)
 
 
-def test_synthetic_source_strings():
-  corpus = sources.load(DataConfig(synth_examples=100, val_fraction=0.1, synth_task="binding"))
-  assert len(corpus.train) == 100 and len(corpus.val) == 10
-  assert not set(corpus.train) & set(corpus.val)
-  assert all(doc.split()[-1] == '.' and '?' in doc.split() for doc in corpus.train)
+def test_synthetic_source_has_no_text_loader():
+  with pytest.raises(DataError, match="data.source='synthetic' has no text documents"):
+    sources.load(DataConfig(synth_examples=100, val_fraction=0.1))
 
 
 def test_compose_answers_and_difficulty_by_brute_force():

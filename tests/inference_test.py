@@ -110,7 +110,7 @@ def test_parallel_exit_matches_brute_force(setup):
   cfg = config.ExitConfig(policy='kl', eps=eps, min_loops=1, max_loops=R)
   out = jax.jit(lambda t: inference.score(mdl, t, cfg, rng))(toks)
   np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
-  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):
@@ -170,7 +170,7 @@ def test_trace_nll_equals_uniform_depth_losses(setup):
   for d in (1, 3, 6):
     out = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=d), rng)
     ref = losses.nll(out.logits, tgt)
-    np.testing.assert_allclose(np.asarray(tr['nll'][d - 1]), np.asarray(ref), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(tr['nll'][d - 1]), np.asarray(ref), atol=1e-5)
 
 
 def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng):
@@ -245,7 +245,7 @@ def test_generation_matches_brute_force_and_teacher_forced_scoring():
   np.testing.assert_array_equal(np.asarray(depth_tf), ref_depth)
   # logits_tf[:, k] predicts token 4 + k and comes from decoding token 3 + k
   np.testing.assert_allclose(np.asarray(logits_tf[:, 1:]), ref_logits[:, :-1],
-                             atol=2e-4, rtol=2e-4)
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_cache_size_independent_of_loops():

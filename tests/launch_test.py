@@ -1,5 +1,7 @@
 """Every launch/*.flags file parses into a valid Config and builds its model abstractly."""
 
+import contextlib
+import dataclasses
 import glob
 import os
 import sys
@@ -16,8 +18,13 @@ FILES = sorted(glob.glob(os.path.join(REPO, 'launch', '*.flags')))
 
 
 def parse(argv):
-  """Parses argv into a fresh FlagValues holding only --config (as pretrain defines it)."""
-  argv = flags_util.dedupe_config_overrides(argv)
+  """Parses argv into a fresh FlagValues holding only --config (as pretrain defines it).
+
+  Run from the repo root, as the headers' commands are: nested --flagfile lines and data
+  paths in a flag file are relative to it.
+  """
+  with contextlib.chdir(REPO):
+    argv = flags_util.dedupe_config_overrides(argv)
   old, sys.argv = sys.argv, argv  # config_flags registers overrides found in sys.argv
   try:
     fv = flags.FlagValues()
@@ -54,6 +61,25 @@ def test_flagfile_parses_validates_and_builds(path):
     assert abs(n - 57.3e6) < 0.05e6  # tied head
     assert cfg.train.tokens_per_step == 2 ** 18
     assert cfg.depth.mean == (4 if 'mean4' in path else 8)
+
+
+@pytest.mark.parametrize('path', [f for f in FILES if f.endswith('_mean4.flags')],
+                         ids=os.path.basename)
+def test_mean4_twin_differs_from_its_base_only_in_the_mean_depth(path):
+  base = parse(['prog', f'--flagfile={path.replace("_mean4.flags", ".flags")}'])
+  twin = parse(['prog', f'--flagfile={path}'])
+  assert base.depth.mean == 8 and twin.depth.mean == 4
+  assert twin == dataclasses.replace(base, depth=dataclasses.replace(base.depth, mean=4.0))
+
+
+def test_nested_flagfile_is_expanded_in_place(tmp_path):
+  inner = tmp_path / 'inner.flags'
+  inner.write_text('--config.model.d_model=48\n--config.depth.mean=3\n')
+  outer = tmp_path / 'outer.flags'
+  outer.write_text(f'# comment\n--config.depth.mean=2\n--flagfile={inner}\n'
+                   '--config.model.d_model=40\n')
+  cfg = parse(['prog', f'--flagfile={outer}'])
+  assert (cfg.depth.mean, cfg.model.d_model) == (3.0, 40)  # the later line wins
 
 
 def test_command_line_overrides_flagfile_tuples():

@@ -227,7 +227,7 @@ def test_whole_looped_lm_matches_numpy(make_config, tie):
   s0 = mdl.initial_state(jnp.zeros((2, 6, cfg.model.d_model)), key)
   want = np_looped_lm(mdl, np.asarray(tokens), s0, cfg.depth.buckets[idx])
   assert got.shape == (2, 6, cfg.model.vocab_size) and got.dtype == jnp.float32
-  assert_close(got, want, rtol=1e-4)
+  assert_close(got, want, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------

@@ -113,13 +113,6 @@ class Data:
   val_windows: Windows
   stats: dict
 
-  def new_train_iter(self, state: dict | None = None):
-    """A fresh training iterator, restored to `state` when given."""
-    it = iter(self.train_ds)
-    if state is not None:
-      it.set_state(state)
-    return it
-
   def val_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
     """The first n validation batches (all when None); the same list on every call."""
     return fixed_batches(self.val_windows, self.batch_size, n)

@@ -11,7 +11,6 @@ import urllib.parse
 
 import numpy as np
 
-from elastic_depth.data import synthetic
 from elastic_depth.data.errors import UNREACHABLE_HINT, DataError
 
 STREAM_DEFAULT_DOCS = 50_000  # hf/tfds documents read when data.max_docs is 0
@@ -146,14 +145,6 @@ def holdout_split(docs: list[str], cfg, origin: str) -> Corpus:
   return Corpus(train, val, origin)
 
 
-def load_synthetic(cfg) -> Corpus:
-  """Synthetic programs as space-separated strings (see synthetic.py)."""
-  train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
-                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
-                                     getattr(cfg, 'synth_task', 'binding'))
-  return Corpus(train.docs(vocab), val.docs(vocab), 'synthetic')
-
-
 def load_text(cfg) -> Corpus:
   """Local .txt/.jsonl/.parquet files; validation from val_paths or a val_fraction split."""
   if not cfg.paths:
@@ -264,8 +255,7 @@ def load_tfds(cfg) -> Corpus:
   return Corpus(train, _read_tfds_split(splits[val_name], cfg, origin), origin)
 
 
-LOADERS = {
-    Source.SYNTHETIC: load_synthetic,
+LOADERS = {  # text-like sources; synthetic data is generated in ids (pipeline.build)
     Source.TEXT: load_text,
     Source.HF: load_hf,
     Source.TFDS: load_tfds,
@@ -282,12 +272,15 @@ def source_of(cfg) -> Source:
 
 
 def load(cfg) -> Corpus:
-  """Train and validation documents of the configured source.
+  """Train and validation documents of the configured text-like source.
 
   Args:
-    cfg: a DataConfig.
+    cfg: a DataConfig whose source is text, hf or tfds.
 
   Returns:
     Corpus with disjoint lists of document strings `train` and `val`.
   """
-  return LOADERS[source_of(cfg)](cfg)
+  source = source_of(cfg)
+  if source not in LOADERS:
+    raise DataError(f'data.source={source.value!r} has no text documents; use data.build')
+  return LOADERS[source](cfg)
