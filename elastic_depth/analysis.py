@@ -25,6 +25,8 @@ from elastic_depth import inference, losses, policies
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy
 
+DEFAULT_DELTA = 0.01  # nats/token: the tolerance of 'matches quality'
+
 KL_POLICIES = (ExitPolicy.KL.value, ExitPolicy.REVERSE_KL.value)
 
 
@@ -290,7 +292,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   return out
 
 
-def headline(a0: dict, curve: dict, ref_depth: float, delta: float = 0.01) -> dict:
+def headline(a0: dict, curve: dict, ref_depth: float, delta: float = DEFAULT_DELTA) -> dict:
   """The exit policy against uniform depth.
 
   * ref: A0 at the training-mean depth (linearly interpolated if fractional);
@@ -339,7 +341,7 @@ def headline(a0: dict, curve: dict, ref_depth: float, delta: float = 0.01) -> di
 
 def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: jax.Array,
           r_max: int, ref_depth: float, *, eps_grid: Optional[Sequence[float]] = None,
-          delta: float = 0.01, curves: Sequence[str] = ('kl',),
+          delta: float = DEFAULT_DELTA, curves: Sequence[str] = ('kl',),
           state_delta_grid: Optional[Sequence[float]] = None,
           router: Optional[policies.Router] = None,
           router_grid: Optional[Sequence[float]] = None,

@@ -20,7 +20,6 @@ The machine may be shared: the JSON records the load average and the busiest
 other processes, and only ratios measured within one run are meaningful.
 """
 
-import ast
 import dataclasses
 import datetime
 import json
@@ -41,6 +40,7 @@ from elastic_depth import metrics
 from elastic_depth import distributed
 from elastic_depth import model as model_lib
 from elastic_depth import train as train_lib
+from experiments import flags_util
 from experiments import bench_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,44 +78,14 @@ SHAPES = {
 }
 
 
-def _convert(text: str, like):
-  """Parses a flag value into the type of the dataclass field's default."""
-  if isinstance(like, bool):
-    return text.lower() in ('1', 'true', 'yes')
-  if isinstance(like, int):
-    return int(text)
-  if isinstance(like, float):
-    return float(text)
-  if isinstance(like, tuple):
-    v = ast.literal_eval(text)
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
-  return text
-
-
-def parse_flagfile(path: str) -> dict[str, dict]:
-  """`--config.SECTION.FIELD=VALUE` lines -> {section: {field: value}} (typed)."""
-  base = config_lib.Config()
-  out: dict[str, dict] = {}
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      line = line.strip()
-      if not line.startswith('--config.') or '=' not in line:
-        continue
-      key, value = line[len('--config.'):].split('=', 1)
-      section, field = key.split('.', 1)
-      like = getattr(getattr(base, section), field)
-      out.setdefault(section, {})[field] = _convert(value, like)
-  return out
-
-
 def shape_config(name: str, r: int, dtype: str, remat: bool) -> config_lib.Config:
   """The Config of a shape at fixed depth r (a single bucket: the switch has one branch)."""
   model_kw, train_kw, _, _ = SHAPES[name]
-  if model_kw is None:  # tiny: parse the launch file
-    parsed = parse_flagfile(FLAGS.tiny_flags)
-    model_kw, train_kw = parsed.get('model', {}), parsed.get('train', {})
-    train_kw = {k: train_kw[k] for k in ('seq_len', 'batch_size') if k in train_kw}
-  model = dataclasses.replace(config_lib.ModelConfig(), **model_kw, dtype=dtype)
+  if model_kw is None:  # tiny: parse the launch file as pretrain does
+    parsed = flags_util.parse_config(['bench_train', f'--flagfile={FLAGS.tiny_flags}'])
+    model_kw = dataclasses.asdict(parsed.model)
+    train_kw = {k: getattr(parsed.train, k) for k in ('seq_len', 'batch_size')}
+  model = dataclasses.replace(config_lib.ModelConfig(), **{**model_kw, 'dtype': dtype})
   depth = config_lib.DepthConfig(mean=float(r), sigma=0.0, r_max=r, buckets=(r,),
                                  remat=remat)
   train = dataclasses.replace(config_lib.TrainConfig(), **train_kw, steps=1000,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from absl import flags, logging
 
 from elastic_depth.config import Config, ConfigError
+from experiments import flags_util
 
 def _define(kind: str, name: str, default, help_: str) -> str:
   """Defines a shared flag unless a module imported in the same process already did
@@ -52,7 +53,7 @@ class SetupError(RuntimeError):
 
 @dataclasses.dataclass
 class Options:
-  """Everything the experiment mains read from flags (tests build it directly)."""
+  """The settings every measurement experiment shares (tests build it directly)."""
   workdir: str
   step: Optional[int] = None
   max_depth: int = 0
@@ -62,12 +63,11 @@ class Options:
   seed: int = 0
   tag: str = ''
   progress: bool = True
-  data: dict = dataclasses.field(default_factory=dict)  # DataConfig overrides
-  extra: dict = dataclasses.field(default_factory=dict)  # experiment-specific
+  data: dict = dataclasses.field(default_factory=dict)  # DataConfig overrides, FIELD: text
 
 
-def options_from_flags(**extra) -> Options:
-  """Options from the shared flags; `extra` holds the experiment's own settings."""
+def options_from_flags() -> Options:
+  """Options from the shared flags."""
   if not _F.workdir:
     raise SetupError('--workdir is required (a directory trained by experiments.pretrain)')
   data = {k: _F[f'data_{k}'].value for k in ('source', 'paths', 'val_paths', 'tokenizer')
@@ -79,7 +79,17 @@ def options_from_flags(**extra) -> Options:
     data[k.strip()] = v
   return Options(workdir=_F.workdir, step=_F.step, max_depth=_F.max_depth,
                  batches=_F.batches, batch_size=_F.batch_size, seq_len=_F.seq_len,
-                 seed=_F.seed, tag=_F.tag, progress=not _F.quiet, data=data, extra=extra)
+                 seed=_F.seed, tag=_F.tag, progress=not _F.quiet, data=data)
+
+
+def floats(values, name: str) -> Optional[list[float]]:
+  """A list flag of numbers (None stays None); SetupError naming the flag otherwise."""
+  if values is None:
+    return None
+  try:
+    return [float(x) for x in values]
+  except ValueError as e:
+    raise SetupError(f'--{name}: {e}') from None
 
 
 def config_from_dict(d: dict, cls=Config) -> Any:
@@ -102,15 +112,6 @@ def config_from_dict(d: dict, cls=Config) -> Any:
   return cls(**kw)
 
 
-def _typed(cur, value: str):
-  """A string flag value converted to the type of the field's current value."""
-  if isinstance(value, str) and not isinstance(cur, str):
-    if isinstance(cur, bool):
-      return value.lower() in ('1', 'true', 'yes')
-    return type(cur)(value)
-  return value
-
-
 def resolve_data(cfg: Config, workdir: str, overrides: dict):
   """The DataConfig to evaluate on, and the workdir to hand to data.build (or None).
 
@@ -123,8 +124,11 @@ def resolve_data(cfg: Config, workdir: str, overrides: dict):
   if bad:
     raise SetupError(f'unknown data override(s) {bad}; fields: '
                      f'{[f.name for f in dataclasses.fields(saved)]}')
-  d = dataclasses.replace(saved, **{k: _typed(getattr(saved, k), v)
-                                    for k, v in overrides.items()})
+  argv = ['experiment'] + [f'--config.data.{k}={v}' for k, v in overrides.items()]
+  try:  # typed exactly as pretrain types the same flags
+    d = flags_util.parse_config(argv, dataclasses.replace(cfg, data=saved)).data
+  except (flags.Error, ValueError, TypeError) as e:
+    raise SetupError(f'bad data override: {e}') from None
   if d.source == 'synthetic':
     return d, None
   if 'tokenizer' not in overrides:
@@ -206,23 +210,34 @@ def report_name(base: str, opts: Options) -> str:
   return f'{base}_{opts.tag}' if opts.tag else base
 
 
-def flag_record(opts: Options, loaded: Loaded) -> dict:
-  """The settings to store next to the numbers."""
+def flag_record(opts: Options, loaded: Loaded, experiment: Any = None) -> dict:
+  """The settings to store next to the numbers (shared and the experiment's own)."""
   rec = dataclasses.asdict(opts)
+  if experiment is not None:
+    rec.update(dataclasses.asdict(experiment))
   rec['r_max'] = loaded.r_max
   return rec
 
 
-def main(run: Callable[[Options], Any], **extra_fn) -> Callable:
-  """An absl main calling run(options) that turns setup errors into one clear line."""
+def main(run: Callable[..., Any], experiment_options: Optional[Callable[[], Any]] = None
+         ) -> Callable:
+  """An absl main: run(options[, the experiment's own typed options]); setup errors -> one line.
+
+  Args:
+    run: the experiment, run(Options) or run(Options, its options dataclass).
+    experiment_options: builds the experiment's options dataclass from its flags.
+  """
   def _main(argv):
     if len(argv) > 1:
       raise SystemExit(f'error: unexpected arguments {argv[1:]}')
     from elastic_depth import checkpoint, data as data_lib  # pylint: disable=g-import-not-at-top
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     try:
-      opts = options_from_flags(**{k: f() for k, f in extra_fn.items()})
-      run(opts)
+      opts = options_from_flags()
+      if experiment_options is None:
+        run(opts)
+      else:
+        run(opts, experiment_options())
     except (SetupError, ConfigError, checkpoint.CheckpointError, data_lib.DataError) as e:
       print(f'error: {e}', file=sys.stderr)
       sys.exit(2)

@@ -8,6 +8,8 @@ and by the synthetic generator's hop count).
 Writes <workdir>/reports/convergence[_TAG].{json,png,md}.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 from absl import app, flags
@@ -15,8 +17,16 @@ from absl import app, flags
 from elastic_depth import analysis, data as data_lib, reports
 from experiments import common
 
-EPS_CONV = flags.DEFINE_float('eps_conv', 1e-3, 'KL threshold (nats) of the KL-based '
-                              'convergence depth.')
+
+
+@dataclasses.dataclass
+class ConvergenceOptions:
+  """This experiment's own settings."""
+  eps_conv: float = 1e-3  # KL threshold (nats) of the KL-based convergence depth
+
+
+EPS_CONV = flags.DEFINE_float('eps_conv', ConvergenceOptions.eps_conv, 'KL threshold (nats) '
+                              'of the KL-based convergence depth.')
 
 
 def groups_for(ld: common.Loaded, trace: analysis.Trace) -> dict:
@@ -28,16 +38,15 @@ def groups_for(ld: common.Loaded, trace: analysis.Trace) -> dict:
   return out
 
 
-def run(opts: common.Options) -> dict:
+def run(opts: common.Options, x: ConvergenceOptions = ConvergenceOptions()) -> dict:
   """Loads the workdir, traces the validation batches and writes the report."""
   ld = common.load(opts)
   trace = analysis.trace_batches(ld.model, ld.batches, ld.r_max, jax.random.key(opts.seed),
                                  opts.progress)
-  eps_conv = opts.extra.get('eps_conv', 1e-3)
-  res = analysis.convergence(trace, ld.cfg.depth.mean, eps_conv, groups_for(ld, trace))
+  res = analysis.convergence(trace, ld.cfg.depth.mean, x.eps_conv, groups_for(ld, trace))
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('convergence', opts), res,
-                        flags=common.flag_record(opts, ld), checkpoint=info,
+                        flags=common.flag_record(opts, ld, x), checkpoint=info,
                         markdown=reports.convergence_markdown(res, info),
                         plot=reports.convergence_plot(res))
   a = res['argmax_depth']
@@ -48,4 +57,4 @@ def run(opts: common.Options) -> dict:
 
 
 if __name__ == '__main__':
-  app.run(common.main(run, eps_conv=lambda: EPS_CONV.value))
+  app.run(common.main(run, lambda: ConvergenceOptions(eps_conv=EPS_CONV.value)))

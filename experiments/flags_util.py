@@ -19,3 +19,29 @@ def dedupe_config_overrides(argv: list[str]) -> list[str]:
   keep = [a for i, a in enumerate(expanded)
           if not (a.startswith('--config.') and '=' in a) or last[a.split('=', 1)[0]] == i]
   return argv[:1] + keep
+
+
+def parse_config(argv: list[str], base=None):
+  """A Config from `--flagfile=...` / `--config.X=V` arguments, parsed as pretrain parses them.
+
+  Args:
+    argv: program name first, then flags (flag files relative to the working directory).
+    base: the Config the overrides apply to (default: Config()); it is not modified.
+  Returns:
+    The parsed Config (ml_collections' own typing of every field).
+  """
+  import copy  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from elastic_depth import config as config_lib  # pylint: disable=g-import-not-at-top
+  argv = dedupe_config_overrides(argv)
+  old, sys.argv = sys.argv, argv  # config_flags registers overrides found in sys.argv
+  try:
+    fv = flags.FlagValues()
+    holder = config_flags.DEFINE_config_dataclass(
+        'config', copy.deepcopy(base) if base is not None else config_lib.Config(), 'config',
+        flag_values=fv)
+    fv(argv)
+  finally:
+    sys.argv = old
+  return holder.value

@@ -10,7 +10,9 @@ training mean, and A0's loss at the same mean loops (the frontier comparison).
 Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
 
+import dataclasses
 import os
+from typing import Optional
 
 import jax
 from absl import app, flags
@@ -19,10 +21,25 @@ from elastic_depth import analysis, reports
 from elastic_depth import router as router_lib
 from experiments import common
 
+
+
+@dataclasses.dataclass
+class SweepOptions:
+  """This experiment's own settings."""
+  eps_grid: Optional[list[float]] = None          # KL thresholds (None: 1e-6..1)
+  delta: float = analysis.DEFAULT_DELTA           # loss tolerance of the headline
+  curves: tuple[str, ...] = ('kl',)               # exit curves besides A0
+  state_delta_grid: Optional[list[float]] = None
+  router: bool = False                            # add the A2 curve from router.json
+  router_grid: Optional[list[float]] = None
+
+
 EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-separated '
                              '(default: 13 log-spaced points 1e-6..1).')
-DELTA = flags.DEFINE_float('delta', 0.01, 'Loss tolerance (nats/token) of the headline.')
-CURVES = flags.DEFINE_list('curves', ['kl'], 'Exit curves: kl (A1), reverse_kl, state_delta.')
+DELTA = flags.DEFINE_float('delta', SweepOptions.delta, 'Loss tolerance (nats/token) of the '
+                           'headline.')
+CURVES = flags.DEFINE_list('curves', list(SweepOptions.curves), 'Exit curves: kl (A1), '
+                           'reverse_kl, state_delta.')
 ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
                            '(python -m experiments.train_router).')
 ROUTER_GRID = flags.DEFINE_list('router_grid', None, 'A2 thresholds on P(change) (default '
@@ -31,34 +48,32 @@ STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-c
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
 
-def _floats(xs, name):
-  if xs is None:
-    return None
-  try:
-    return [float(x) for x in xs]
-  except ValueError as e:
-    raise common.SetupError(f'--{name}: {e}') from None
+def options_from_flags() -> SweepOptions:
+  """SweepOptions from this experiment's flags."""
+  return SweepOptions(eps_grid=common.floats(EPS_GRID.value, 'eps_grid'), delta=DELTA.value,
+                      curves=tuple(CURVES.value), router=ROUTER.value,
+                      state_delta_grid=common.floats(STATE_DELTA_GRID.value,
+                                                     'state_delta_grid'),
+                      router_grid=common.floats(ROUTER_GRID.value, 'router_grid'))
 
 
-def run(opts: common.Options) -> dict:
+def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   """Loads the workdir, runs A0 and the exit curves and writes the report."""
   ld = common.load(opts)
-  x = opts.extra
   probe = None
-  if x.get('router'):
+  if x.router:
     path = os.path.join(opts.workdir, 'router.json')
     if not os.path.exists(path):
       raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
                               f'--workdir={opts.workdir} first')
     probe = router_lib.load(path)
   res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
-                       ld.cfg.depth.mean, eps_grid=x.get('eps_grid'),
-                       delta=x.get('delta', 0.01), curves=tuple(x.get('curves', ('kl',))),
-                       state_delta_grid=x.get('state_delta_grid'), router=probe,
-                       router_grid=x.get('router_grid'), progress=opts.progress)
+                       ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
+                       curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
+                       router=probe, router_grid=x.router_grid, progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
-                        flags=common.flag_record(opts, ld), checkpoint=info,
+                        flags=common.flag_record(opts, ld, x), checkpoint=info,
                         markdown=reports.sweep_markdown(res, info),
                         plot=reports.sweep_plot(res))
   for name, h in res['headline'].items():
@@ -77,9 +92,4 @@ def run(opts: common.Options) -> dict:
 
 
 if __name__ == '__main__':
-  app.run(common.main(run, eps_grid=lambda: _floats(EPS_GRID.value, 'eps_grid'),
-                      delta=lambda: DELTA.value, curves=lambda: CURVES.value,
-                      state_delta_grid=lambda: _floats(STATE_DELTA_GRID.value,
-                                                       'state_delta_grid'),
-                      router=lambda: ROUTER.value,
-                      router_grid=lambda: _floats(ROUTER_GRID.value, 'router_grid')))
+  app.run(common.main(run, options_from_flags))

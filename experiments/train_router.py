@@ -9,6 +9,7 @@ accuracy and calibration are reported on the second half (held out). Writes
 <workdir>/router.json and <workdir>/reports/router.{json,md}.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -17,9 +18,21 @@ from absl import app, flags
 from elastic_depth import reports, router
 from experiments import common
 
-STEPS = flags.DEFINE_integer('router_steps', 500, 'Full-batch AdamW steps of the probe.')
-LR = flags.DEFINE_float('router_lr', 1e-2, 'Probe learning rate.')
-MAX_PAIRS = flags.DEFINE_integer('max_pairs', 200_000, '(token, loop) pairs used to train.')
+
+
+@dataclasses.dataclass
+class RouterOptions:
+  """This experiment's own settings."""
+  steps: int = 500           # full-batch AdamW steps of the probe
+  lr: float = 1e-2           # probe learning rate
+  max_pairs: int = 200_000   # (token, loop) pairs used to train
+
+
+STEPS = flags.DEFINE_integer('router_steps', RouterOptions.steps, 'Full-batch AdamW steps of '
+                             'the probe.')
+LR = flags.DEFINE_float('router_lr', RouterOptions.lr, 'Probe learning rate.')
+MAX_PAIRS = flags.DEFINE_integer('max_pairs', RouterOptions.max_pairs, '(token, loop) pairs '
+                                 'used to train.')
 
 
 def _reliability(fig, res) -> None:
@@ -34,17 +47,16 @@ def _reliability(fig, res) -> None:
   ax.legend()
 
 
-def run(opts: common.Options) -> dict:
+def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   """Harvests labels, fits the probe, evaluates it on held-out text and saves it."""
   ld = common.load(opts)
   if len(ld.batches) < 2:
     raise common.SetupError('train_router needs at least 2 validation batches (--batches)')
   half = len(ld.batches) // 2
   rng = jax.random.key(opts.seed)
-  x = opts.extra
-  fit_h = router.harvest(ld.model, ld.batches[:half], ld.r_max, rng, x['max_pairs'])
-  test_h = router.harvest(ld.model, ld.batches[half:], ld.r_max, rng, x['max_pairs'])
-  probe = router.fit(fit_h, steps=x['steps'], lr=x['lr'])
+  fit_h = router.harvest(ld.model, ld.batches[:half], ld.r_max, rng, x.max_pairs)
+  test_h = router.harvest(ld.model, ld.batches[half:], ld.r_max, rng, x.max_pairs)
+  probe = router.fit(fit_h, steps=x.steps, lr=x.lr)
   res = {'train': router.evaluate(probe, fit_h), 'heldout': router.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.labels_N))}
   path = os.path.join(opts.workdir, 'router.json')
@@ -56,7 +68,7 @@ def run(opts: common.Options) -> dict:
                 f"{v['balanced_accuracy']:.3f} | {v['ece']:.3f} |\n"
                 for k, v in (('train', res['train']), ('held-out', h))))
   paths = reports.write(opts.workdir, common.report_name('router', opts), res,
-                        flags=common.flag_record(opts, ld), checkpoint=ld.checkpoint_info(),
+                        flags=common.flag_record(opts, ld, x), checkpoint=ld.checkpoint_info(),
                         markdown=md, plot=lambda fig: _reliability(fig, res))
   print(f"router: held-out accuracy {h['accuracy']:.3f} (balanced {h['balanced_accuracy']:.3f},"
         f" base rate {h['base_rate']:.3f}, ECE {h['ece']:.3f}); saved {path}; "
@@ -65,5 +77,5 @@ def run(opts: common.Options) -> dict:
 
 
 if __name__ == '__main__':
-  app.run(common.main(run, steps=lambda: STEPS.value, lr=lambda: LR.value,
-                      max_pairs=lambda: MAX_PAIRS.value))
+  app.run(common.main(run, lambda: RouterOptions(steps=STEPS.value, lr=LR.value,
+                                                 max_pairs=MAX_PAIRS.value)))

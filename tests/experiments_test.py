@@ -44,19 +44,20 @@ def test_config_round_trip(make_config):
 
 def test_three_reports_exist_parse_and_repeat_bit_identically(workdir):
   runs = [
-      (eval_depth, _opts(workdir), 'eval_depth'),
-      (convergence, _opts(workdir, extra={'eps_conv': 1e-3}), 'convergence'),
-      (sweep_eps, _opts(workdir, extra={'eps_grid': [0.0, 1e-3, 1e9], 'delta': 0.01,
-                                        'curves': ['kl', 'state_delta'],
-                                        'state_delta_grid': [1e-2, 1e9]}), 'sweep_eps'),
+      (eval_depth, _opts(workdir), (), 'eval_depth'),
+      (convergence, _opts(workdir), (convergence.ConvergenceOptions(eps_conv=1e-3),),
+       'convergence'),
+      (sweep_eps, _opts(workdir), (sweep_eps.SweepOptions(
+          eps_grid=[0.0, 1e-3, 1e9], delta=0.01, curves=('kl', 'state_delta'),
+          state_delta_grid=[1e-2, 1e9]),), 'sweep_eps'),
   ]
-  for mod, opts, name in runs:
-    first = mod.run(opts)
+  for mod, opts, x, name in runs:
+    first = mod.run(opts, *x)
     for ext in ('json', 'md', 'png'):
       path = os.path.join(workdir, 'reports', f'{name}.{ext}')
       assert os.path.getsize(path) > 0, path
     res = _numbers(os.path.join(workdir, 'reports', f'{name}.json'))
-    mod.run(opts)
+    mod.run(opts, *x)
     assert _numbers(os.path.join(workdir, 'reports', f'{name}.json')) == res
     assert first['paths']['json'].endswith(f'{name}.json')
   el = _numbers(os.path.join(workdir, 'reports', 'eval_depth.json'))

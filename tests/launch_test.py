@@ -4,11 +4,8 @@ import contextlib
 import dataclasses
 import glob
 import os
-import sys
 
 import pytest
-from absl import flags
-from ml_collections import config_flags
 
 from elastic_depth import config as config_lib, model as model_lib
 from experiments import flags_util
@@ -18,22 +15,9 @@ FILES = sorted(glob.glob(os.path.join(REPO, 'launch', '*.flags')))
 
 
 def parse(argv):
-  """Parses argv into a fresh FlagValues holding only --config (as pretrain defines it).
-
-  Run from the repo root, as the headers' commands are: nested --flagfile lines and data
-  paths in a flag file are relative to it.
-  """
+  """Parses argv as pretrain does, from the repo root (nested flag files are relative to it)."""
   with contextlib.chdir(REPO):
-    argv = flags_util.dedupe_config_overrides(argv)
-  old, sys.argv = sys.argv, argv  # config_flags registers overrides found in sys.argv
-  try:
-    fv = flags.FlagValues()
-    holder = config_flags.DEFINE_config_dataclass('config', config_lib.Config(), 'cfg',
-                                                  flag_values=fv)
-    fv(argv)
-  finally:
-    sys.argv = old
-  return holder.value
+    return flags_util.parse_config(argv)
 
 
 def test_there_are_launch_files():
