@@ -13,6 +13,9 @@ Fault model (see docs_faults.md):
   * A checkpoint of another model config or tokenizer raises CheckpointError before
     anything is compiled; so does a failed save (e.g. disk full), naming the last
     complete checkpoint.
+  * An imported checkpoint (experiments.import_huginn) holds only the parameters
+    (`opt_state` None, meta `weights_only`): `load_state` reads it like any other, and
+    `restore_latest` (training --resume) refuses it rather than calling it corrupt.
 """
 
 import dataclasses
@@ -33,6 +36,7 @@ from absl import logging
 from elastic_depth.config import Config, ModelConfig
 
 CORRUPT_DIR = 'corrupt_checkpoints'
+WEIGHTS_ONLY = 'weights_only'  # meta key of checkpoints that hold no optimizer state
 
 
 class CheckpointError(RuntimeError):
@@ -204,6 +208,11 @@ def latest_meta(mngr: ocp.CheckpointManager) -> Optional[tuple[int, dict]]:
   return None
 
 
+def weights_only(state: Any) -> Any:
+  """The train state (or its abstract target) without optimizer state."""
+  return state.replace(opt_state=None)
+
+
 def _verify(state: Any, meta: dict) -> None:
   want = meta.get('checksum')
   if want is None:
@@ -258,6 +267,10 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
       check_model_config(meta.get('config', {}).get('model', {}), cfg.model, where)
     if tokenizer is not None:
       check_tokenizer(meta.get('tokenizer'), tokenizer, where)
+    if meta.get(WEIGHTS_ONLY):
+      raise MismatchError(f'checkpoint {where} holds imported weights without optimizer state '
+                          f'({meta.get("source", "imported")}): it can be evaluated, not '
+                          'resumed; train in another --workdir')
     try:
       out = mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))
@@ -302,8 +315,9 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
       meta = read_meta(mngr, s)
       if cfg is not None:
         check_model_config(meta['config']['model'], cfg.model, f'{path}/{s}')
+      target = weights_only(abstract_state) if meta.get(WEIGHTS_ONLY) else abstract_state
       tree = mngr.restore(s, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
+          state=ocp.args.StandardRestore(target)))
       _verify(tree['state'], meta)
       return tree['state'], meta
     except MismatchError:

@@ -52,6 +52,11 @@ class ModelConfig:
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6
   dtype: str = 'float32'  # compute dtype; parameters are always fp32
+  # Options for imported models (Huginn-0125: see elastic_depth/huginn.py); the defaults
+  # are the behaviour of models trained here.
+  embed_scale: float = 1.0        # token embeddings are multiplied by this (Huginn: sqrt(D))
+  qk_bias: bool = False           # learned per-head bias on q and k, added before RoPE
+  norm_before_coda: bool = False  # final_norm also on the core state before the coda
 
 
 @dataclasses.dataclass
@@ -162,6 +167,11 @@ def validate(cfg: Config) -> None:
   valid = {x.value for x in InitState}
   if m.init_state not in valid:
     raise ConfigError(f'model.init_state={m.init_state!r} not in {sorted(valid)}')
+  if not (m.embed_scale > 0 and math.isfinite(m.embed_scale)):
+    raise ConfigError(f'model.embed_scale={m.embed_scale} must be a finite number > 0')
+  for name in ('qk_bias', 'norm_before_coda', 'tie_embeddings'):
+    if not isinstance(getattr(m, name), bool):
+      raise ConfigError(f'model.{name}={getattr(m, name)!r} must be true or false')
   if m.dtype not in ('float32', 'bfloat16', 'float16'):
     raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
   if not d.mean >= 1 or not math.isfinite(d.mean):

@@ -1,0 +1,390 @@
+"""Import Huginn-0125 (RavenForCausalLM, seal-rg/recurrent-pretraining) into a workdir.
+
+The Huginn conventions (written down in ../shared/fixtures/huginn_tiny/README.md) map
+onto a LoopedLM as follows; everything else is already ours:
+  * embeddings times sqrt(n_embd)          -> ModelConfig.embed_scale
+  * qk_bias added to q and k before RoPE   -> ModelConfig.qk_bias
+  * ln_f on the core state, then coda, ln_f -> ModelConfig.norm_before_coda
+  * interleaved RoPE pairs (2i, 2i+1)      -> Q/K rows (and qk_bias) permuted within each
+    head to [0, 2, .., K-2, 1, 3, .., K-1], which our half-split RoPE rotates identically
+  * initial state: truncated normal, std init_values.std * embed_scale -> state_std
+  * torch Linear [out, in] -> our [in, out]; fused Wqkv and fc (gate, up) split.
+The checkpoint written holds parameters only (checkpoint.WEIGHTS_ONLY).
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+from typing import Callable, Optional
+
+import numpy as np
+
+from elastic_depth.config import Config, DataConfig, DepthConfig, ExitConfig, ModelConfig, \
+    TrainConfig, validate
+
+CONFIG_FILE = 'config.json'
+INDEX_FILE = 'model.safetensors.index.json'
+TOKENIZER_FILE = 'tokenizer.json'
+BUFFERS = ('freqs_cis',)  # persistent non-parameter buffers (RoPE table): ignored
+STACKS = {'prelude': 'prelude', 'core_block': 'core', 'coda': 'coda'}
+_BLOCK_KEY = re.compile(r'transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)$')
+
+# Huginn settings the converter reproduces; any other value is refused.
+SUPPORTED = {'block_class_name': 'SandwichBlock', 'norm_class_name': 'RMSNorm_llama',
+             'mlp_class_name': 'GatedMLP', 'nonlin_name': 'SiLU', 'injection_type': 'linear',
+             'state_init': 'like-init', 'bias': False}
+
+
+class HuginnError(ValueError):
+  """A source that cannot be converted (names the file, key or setting)."""
+
+
+def _get(hf: dict, *names, default=None):
+  for n in names:
+    if n in hf:
+      return hf[n]
+  if default is None:
+    raise HuginnError(f'{CONFIG_FILE} lacks {" / ".join(names)}')
+  return default
+
+
+def model_config(hf: dict) -> ModelConfig:
+  """Our ModelConfig for a Huginn config.json dict (HuginnError if unsupported)."""
+  bad = {k: hf.get(k) for k, v in SUPPORTED.items() if k in hf and hf[k] != v}
+  if float(hf.get('test_time_noise', 0) or 0) != 0:
+    bad['test_time_noise'] = hf['test_time_noise']
+  if bad:
+    raise HuginnError(f'unsupported Huginn settings {bad}; supported: {SUPPORTED}, '
+                      'test_time_noise=0')
+  d = int(_get(hf, 'n_embd', 'hidden_size'))
+  heads = int(_get(hf, 'n_heads', 'num_attention_heads'))
+  kv_heads = int(_get(hf, 'num_key_value_heads', default=heads))
+  if kv_heads != heads:
+    raise HuginnError(f'num_key_value_heads={kv_heads} != n_heads={heads}: Huginn\'s qk_bias '
+                      'is per query head, only multi-head attention is supported')
+  init = hf.get('init_values') or {}
+  scale = float(init.get('embed_scale', math.sqrt(d)))
+  std = float(init.get('std', math.sqrt(2 / (5 * d))))
+  return ModelConfig(
+      vocab_size=int(_get(hf, 'padded_vocab_size', 'vocab_size')), d_model=d,
+      num_heads=heads, num_kv_heads=kv_heads,
+      head_dim=int(_get(hf, 'head_dim', default=d // heads)),
+      mlp_dim=int(_get(hf, 'intermediate_size')),
+      n_prelude=int(_get(hf, 'n_layers_in_prelude')),
+      n_core=int(_get(hf, 'n_layers_in_recurrent_block')),
+      n_coda=int(_get(hf, 'n_layers_in_coda')), max_len=int(_get(hf, 'block_size')),
+      rope_theta=float(_get(hf, 'rope_base')),
+      tie_embeddings=bool(_get(hf, 'tie_embeddings', 'tie_word_embeddings')),
+      init_state='random', state_std=std * scale, norm_eps=float(_get(hf, 'norm_eps')),
+      embed_scale=scale, qk_bias=bool(hf.get('qk_bias', False)), norm_before_coda=True)
+
+
+def full_config(hf: dict, r_max: int = 32, seq_len: int = 1024, batch_size: int = 8,
+                dtype: str = 'float32') -> Config:
+  """The Config of an imported workdir: model, depth prior, text data with its tokenizer."""
+  m = model_config(hf)
+  m.dtype = dtype
+  mean = float(hf.get('mean_recurrence', 32))
+  buckets = tuple(b for b in DepthConfig().buckets if b < r_max) + (r_max,)
+  cfg = Config(model=m,
+               depth=DepthConfig(mean=min(mean, r_max), r_max=r_max, buckets=buckets),
+               data=DataConfig(source='text', tokenizer='train'),
+               train=TrainConfig(seq_len=min(seq_len, m.max_len), batch_size=batch_size),
+               exit=ExitConfig(max_loops=r_max, depth=min(int(mean), r_max)))
+  validate(cfg)
+  return cfg
+
+
+def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every Huginn state-dict key a source must hold, with its shape."""
+  d, h, g, k, f, v = (m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim,
+                      m.vocab_size)
+  out = {'transformer.wte.weight': (v, d), 'transformer.adapter.weight': (d, 2 * d),
+         'transformer.ln_f.weight': (d,)}
+  if not m.tie_embeddings:
+    out['lm_head.weight'] = (v, d)
+  for stack, n in (('prelude', m.n_prelude), ('core_block', m.n_core), ('coda', m.n_coda)):
+    for i in range(n):
+      p = f'transformer.{stack}.{i}.'
+      out.update({p + f'norm_{j}.weight': (d,) for j in range(1, 5)})
+      out[p + 'attn.Wqkv.weight'] = ((h + 2 * g) * k, d)
+      out[p + 'attn.proj.weight'] = (d, h * k)
+      if m.qk_bias:
+        out[p + 'attn.qk_bias'] = (2, 1, h, k)
+      out[p + 'mlp.fc.weight'] = (2 * f, d)
+      out[p + 'mlp.proj.weight'] = (d, f)
+  return out
+
+
+def rope_permutation(k: int) -> np.ndarray:
+  """Within-head order that turns interleaved RoPE pairs into half-split pairs."""
+  return np.concatenate([np.arange(0, k, 2), np.arange(1, k, 2)])
+
+
+def _qkv(w, m: ModelConfig) -> dict:
+  h, g, k, d = m.num_heads, m.num_kv_heads, m.head_dim, m.d_model
+  perm = rope_permutation(k)
+  q, kk, v = np.split(w, [h * k, (h + g) * k])
+  return {('attn', 'wq_DxHxK'): q.reshape(h, k, d)[:, perm].transpose(2, 0, 1),
+          ('attn', 'wk_DxGxK'): kk.reshape(g, k, d)[:, perm].transpose(2, 0, 1),
+          ('attn', 'wv_DxGxK'): v.reshape(g, k, d).transpose(2, 0, 1)}
+
+
+def _qk_bias(b, m: ModelConfig) -> dict:
+  perm = rope_permutation(m.head_dim)
+  return {('attn', 'q_bias_HxK'): b[0, 0][:, perm], ('attn', 'k_bias_GxK'): b[1, 0][:, perm]}
+
+
+def _norm(j: int) -> Callable:
+  return lambda w, m: {(f'norm{j}', 'scale'): w}
+
+
+BLOCK_CONVERTERS = {
+    'attn.Wqkv.weight': _qkv,
+    'attn.qk_bias': _qk_bias,
+    'attn.proj.weight': lambda w, m: {('attn', 'wo_HxKxD'): w.T.reshape(
+        m.num_heads, m.head_dim, m.d_model)},
+    'mlp.fc.weight': lambda w, m: dict(zip([('mlp', 'w_gate_DxF'), ('mlp', 'w_up_DxF')],
+                                           (x.T for x in np.split(w, 2)))),
+    'mlp.proj.weight': lambda w, m: {('mlp', 'w_down_FxD'): w.T},
+    **{f'norm_{j}.weight': _norm(j) for j in range(1, 5)},
+}
+TOP_CONVERTERS = {
+    'transformer.wte.weight': lambda w, m: {('embed_VxD',): w},
+    'transformer.adapter.weight': lambda w, m: {('adapter_2DxD',): w.T},
+    'transformer.ln_f.weight': lambda w, m: {('final_norm', 'scale'): w},
+    'lm_head.weight': lambda w, m: {} if m.tie_embeddings else {('head_VxD',): w},
+}
+
+
+def convert_tensor(name: str, w: np.ndarray, m: ModelConfig) -> dict:
+  """Our parameter paths -> fp32 arrays for one Huginn tensor."""
+  w = np.asarray(w, np.float32)
+  if name in TOP_CONVERTERS:
+    return TOP_CONVERTERS[name](w, m)
+  stack, i, rest = _BLOCK_KEY.match(name).groups()
+  return {(STACKS[stack], int(i)) + path: np.ascontiguousarray(x)
+          for path, x in BLOCK_CONVERTERS[rest](w, m).items()}
+
+
+def _hub_snapshot(name: str) -> str:
+  """A local snapshot of a hub repository (safetensors + json files), or HuginnError."""
+  try:
+    import huggingface_hub  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise HuginnError(f'--src={name!r} is not a local path and huggingface_hub is not '
+                      'installed; download the snapshot elsewhere and pass its folder') from None
+  from elastic_depth.data import errors, sources  # pylint: disable=g-import-not-at-top
+  offline = not sources.hub_reachable()
+  try:
+    return huggingface_hub.snapshot_download(
+        name, allow_patterns=['*.json', '*.safetensors'], local_files_only=offline)
+  except Exception as e:  # pylint: disable=broad-except
+    why = (f'it is not in the local hub cache and {errors.UNREACHABLE_HINT}' if offline
+           else f'the download failed ({type(e).__name__}: {e})')
+    raise HuginnError(f'--src={name!r} is not a local path, and {why}') from None
+
+
+def resolve_source(src: str) -> tuple[str, list[str]]:
+  """(snapshot folder holding config.json, safetensors shard paths) for --src.
+
+  Args:
+    src: a snapshot folder (shards listed by model.safetensors.index.json, or every
+      *.safetensors in it), one .safetensors file beside its config.json, or a hub name.
+  """
+  if not os.path.exists(src):
+    if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):
+      raise HuginnError(f'--src={src!r}: no such file or folder (nor a hub name owner/name)')
+    src = _hub_snapshot(src)
+  snap = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+  if not os.path.isfile(os.path.join(snap, CONFIG_FILE)):
+    raise HuginnError(f'{snap} has no {CONFIG_FILE} (the Huginn RavenConfig)')
+  if not os.path.isdir(src):
+    if not src.endswith('.safetensors'):
+      raise HuginnError(f'--src={src!r} is not a .safetensors file (torch .bin files are not '
+                        'read: convert them to safetensors)')
+    return snap, [src]
+  index = os.path.join(snap, INDEX_FILE)
+  if os.path.isfile(index):
+    with open(index, encoding='utf-8') as f:
+      names = sorted(set(_load_json(f, index).get('weight_map', {}).values()))
+    files = [os.path.join(snap, n) for n in names]
+    missing = [n for n, p in zip(names, files) if not os.path.isfile(p)]
+    if missing:
+      raise HuginnError(f'{INDEX_FILE} names shards missing from {snap}: {missing}')
+  else:
+    files = sorted(os.path.join(snap, n) for n in os.listdir(snap) if n.endswith('.safetensors'))
+  if not files:
+    raise HuginnError(f'no *.safetensors shards in {snap} (torch .bin files are not read)')
+  return snap, files
+
+
+def _load_json(f, path: str) -> dict:
+  try:
+    out = json.load(f)
+  except ValueError as e:
+    raise HuginnError(f'{path} is not valid JSON ({e})') from None
+  if not isinstance(out, dict):
+    raise HuginnError(f'{path} does not hold a JSON object')
+  return out
+
+
+def read_hf_config(snap: str) -> dict:
+  """The source's config.json as a dict."""
+  path = os.path.join(snap, CONFIG_FILE)
+  with open(path, encoding='utf-8') as f:
+    return _load_json(f, path)
+
+
+def scan(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+  """key -> (shard, shape, dtype) from the shard headers only (no tensor is read)."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  found = {}
+  for path in files:
+    try:
+      with safe_open(path, framework='numpy') as h:
+        for k in h.keys():
+          if k in found:
+            raise HuginnError(f'key {k} is in two shards: {found[k][0]} and {path}')
+          s = h.get_slice(k)
+          found[k] = (path, tuple(s.get_shape()), s.get_dtype())
+    except HuginnError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise HuginnError(f'{path} is not a readable safetensors file '
+                        f'({type(e).__name__}: {e})') from None
+  return found
+
+
+def _listing(items: list[str], n: int = 12) -> str:
+  return ', '.join(items[:n]) + (f' (and {len(items) - n} more)' if len(items) > n else '')
+
+
+def check_keys(found: dict, m: ModelConfig) -> None:
+  """HuginnError naming every unknown, missing, mis-shaped or non-float key."""
+  want = expected_shapes(m)
+  optional = {b: None for b in BUFFERS}
+  if m.tie_embeddings:  # tied: lm_head.weight may be stored (equal to wte) or left out
+    optional['lm_head.weight'] = (m.vocab_size, m.d_model)
+  problems = []
+  unknown = sorted(k for k in found if k not in want and k not in optional)
+  missing = sorted(k for k in want if k not in found)
+  shapes = {**want, **{k: v for k, v in optional.items() if v is not None}}
+  bad = sorted(f'{k} {list(found[k][1])} (expected {list(v)})' for k, v in shapes.items()
+               if k in found and found[k][1] != v)
+  floats = ('F64', 'F32', 'F16', 'BF16')
+  dtypes = sorted(f'{k} {found[k][2]}' for k in shapes if k in found and found[k][2] not in floats)
+  for what, items in (('unknown', unknown), ('missing', missing), ('mis-shaped', bad),
+                      ('non-float', dtypes)):
+    if items:
+      problems.append(f'{len(items)} {what} key(s): {_listing(items)}')
+  if problems:
+    raise HuginnError('the source does not match its config.json: ' + '; '.join(problems))
+
+
+def _put(tree: dict, path: tuple, x: np.ndarray) -> None:
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = x
+
+
+def convert(found: dict, m: ModelConfig, log: Callable[[str], None] = lambda s: None) -> dict:
+  """Our fp32 parameter tree, read shard by shard and tensor by tensor (one source tensor
+  in memory at a time besides the output)."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  params = {}
+  for path in sorted({v[0] for v in found.values()}):
+    with safe_open(path, framework='numpy') as h:
+      for k in h.keys():
+        if k not in BUFFERS:
+          for p, x in convert_tensor(k, h.get_tensor(k), m).items():
+            _put(params, p, x)
+    log(f'converted {os.path.basename(path)}')
+  _check_tree(params, m)
+  return params
+
+
+def _check_tree(params: dict, m: ModelConfig) -> None:
+  """The converted tree has exactly the shapes of LoopedLM(m)'s parameters."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from elastic_depth.model import LoopedLM  # pylint: disable=g-import-not-at-top
+  abstract = nnx.state(nnx.eval_shape(lambda: LoopedLM(m, nnx.Rngs(0))), nnx.Param)
+  want = jax.tree.map(lambda x: tuple(x.shape), abstract.to_pure_dict())
+  got = jax.tree.map(lambda x: tuple(x.shape), params)
+  if want != got:
+    raise HuginnError(f'internal: converted parameters {got} differ from the model {want}')
+
+
+def _check_workdir(workdir: str) -> None:
+  taken = [n for n in (CONFIG_FILE, 'checkpoints') if os.path.exists(os.path.join(workdir, n))]
+  if taken:
+    raise HuginnError(f'--workdir={workdir} already holds {taken}: choose a new folder '
+                      '(nothing is overwritten)')
+
+
+def _tokenizer(snap: str, m: ModelConfig):
+  """The source's tokenizer.json loaded as the data pipeline will load it, or None."""
+  path = os.path.join(snap, TOKENIZER_FILE)
+  if not os.path.isfile(path):
+    return None, None
+  from elastic_depth.data import DataError, tokenizer  # pylint: disable=g-import-not-at-top
+  try:
+    return path, tokenizer.get(path, [], m.vocab_size)
+  except DataError as e:
+    raise HuginnError(f'{path}: {e} (the data pipeline adds {tokenizer.EOS!r} when a '
+                      'tokenizer lacks it)') from None
+
+
+def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 1024,
+                  batch_size: int = 8, dtype: str = 'float32',
+                  log: Callable[[str], None] = print) -> dict:
+  """Converts a Huginn checkpoint into a workdir that experiments load like a trained run.
+
+  Args:
+    src: snapshot folder, .safetensors file (beside config.json) or hub name.
+    workdir: new folder; receives config.json, checkpoints/ (step 0, parameters only)
+      and the source's tokenizer.json when it has one.
+    r_max: largest depth the experiments evaluate by default (depth.r_max, exit.max_loops).
+    seq_len, batch_size: default evaluation shape (train.seq_len, train.batch_size).
+    dtype: compute dtype recorded in the config (parameters are always fp32).
+    log: progress printer.
+
+  Returns:
+    A summary dict (source, parameter count, tokenizer). Every check (config, keys,
+    shapes, tokenizer, workdir) runs before any tensor is read; HuginnError otherwise.
+  """
+  from elastic_depth import checkpoint, model, train  # pylint: disable=g-import-not-at-top
+  snap, files = resolve_source(src)
+  cfg = full_config(read_hf_config(snap), r_max, seq_len, batch_size, dtype)
+  found = scan(files)
+  check_keys(found, cfg.model)
+  _check_workdir(workdir)
+  tok_path, tok = _tokenizer(snap, cfg.model)
+  log(f'{len(found)} tensors in {len(files)} shard(s), {model.count_params(cfg.model):,} '
+      f'parameters; converting to float32')
+  params = convert(found, cfg.model, log)
+  os.makedirs(workdir, exist_ok=True)
+  if tok_path:
+    shutil.copyfile(tok_path, os.path.join(workdir, TOKENIZER_FILE))
+  meta = {'config': train.config_dict(cfg), checkpoint.WEIGHTS_ONLY: True,
+          'source': f'huginn import of {os.path.abspath(snap)}'}
+  if tok is not None:
+    meta['tokenizer'] = checkpoint.tokenizer_info(tok)
+  mngr = checkpoint.manager(workdir, keep=1, async_save=False)
+  try:
+    checkpoint.save(mngr, 0, train.TrainState(np.int32(0), params, None), meta, force=True)
+    checkpoint.wait(mngr)
+  finally:
+    mngr.close()
+  with open(os.path.join(workdir, CONFIG_FILE), 'w', encoding='utf-8') as f:
+    json.dump(train.config_dict(cfg), f, indent=1)
+  summary = {'source': os.path.abspath(snap), 'shards': len(files), 'tensors': len(found),
+             'params': model.count_params(cfg.model),
+             'tokenizer': meta.get('tokenizer'), 'workdir': os.path.abspath(workdir)}
+  log(f'wrote {workdir} (config.json, checkpoints/0'
+      + (', tokenizer.json)' if tok_path else '; no tokenizer.json in the source: '
+         'evaluate with --data_tokenizer=PATH)'))
+  return summary
