@@ -1,0 +1,184 @@
+"""Huginn import: the tiny fixture made by Huginn's own PyTorch code is reproduced exactly,
+bad sources are clear errors, and the experiments run on the imported model."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as stn
+import tokenizers
+from tokenizers import models, pre_tokenizers, trainers
+
+from elastic_depth import checkpoint, huginn, inference
+from elastic_depth import model as model_lib
+from elastic_depth.config import ExitConfig
+from experiments import common, eval_depth, sweep_eps
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / 'shared'
+FIXTURE = SHARED / 'fixtures' / 'huginn_tiny'
+FINEWEB = SHARED / 'data' / 'fineweb_edu' / 'fineweb-edu.sample-350BT.part0.jsonl'
+pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f'{FIXTURE} absent')
+
+
+def _weights() -> dict:
+  return dict(np.load(FIXTURE / 'weights.npz'))
+
+
+def _snapshot(path: pathlib.Path, weights: dict, shards: int = 1, cfg_edit=None) -> str:
+  """Writes weights as an HF-style safetensors snapshot (with an index when sharded)."""
+  path.mkdir(parents=True)
+  names = sorted(weights)
+  groups = [names[i::shards] for i in range(shards)]
+  weight_map = {}
+  for i, group in enumerate(groups):
+    fname = f'model-{i + 1:05d}-of-{shards:05d}.safetensors' if shards > 1 else \
+        'model.safetensors'
+    stn.save_file({k: weights[k] for k in group}, str(path / fname))
+    weight_map.update({k: fname for k in group})
+  if shards > 1:
+    (path / huginn.INDEX_FILE).write_text(json.dumps({'weight_map': weight_map}))
+  cfg = json.loads((FIXTURE / 'config.json').read_text())
+  (path / 'config.json').write_text(json.dumps(cfg if cfg_edit is None else cfg_edit(cfg)))
+  return str(path)
+
+
+def _small_tokenizer(path: pathlib.Path) -> None:
+  """A character BPE of 200 ids (fits the fixture's vocabulary of 256) with EOS."""
+  docs = [json.loads(line)['text'] for line in FINEWEB.read_text().splitlines()[:40]]
+  tok = tokenizers.Tokenizer(models.BPE(unk_token='[UNK]'))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(docs, trainers.BpeTrainer(
+      vocab_size=200, limit_alphabet=100, special_tokens=['[UNK]', '<|endoftext|>'],
+      show_progress=False))
+  tok.save(str(path / 'tokenizer.json'))
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  """The fixture as a 2-shard snapshot with a tokenizer, imported into a workdir."""
+  root = tmp_path_factory.mktemp('huginn')
+  src = _snapshot(root / 'src', _weights(), shards=2)
+  _small_tokenizer(root / 'src')
+  wd = str(root / 'wd')
+  huginn.import_huginn(src, wd, r_max=8, seq_len=16, batch_size=2, log=lambda s: None)
+  return wd
+
+
+def _load(name):
+  return np.load(FIXTURE / name)
+
+
+def test_reproduces_huginn_logits_and_per_loop_states(imported):
+  cfg, mdl, _, meta = common.load_model(imported)
+  assert meta[checkpoint.WEIGHTS_ONLY] and cfg.model.norm_before_coda
+  tokens, s = jnp.asarray(_load('tokens.npy')), jnp.asarray(_load('init_state.npy'))
+  pos = model_lib.positions(tokens)
+  e, _ = mdl.encode(tokens, pos)
+  np.testing.assert_allclose(e, _load('prelude_out.npy'), atol=1e-5, rtol=0)
+  states = []
+  for r in range(1, 9):
+    s = mdl.core_step(s, e, pos)[0]
+    states.append(np.asarray(s))
+    if r in (1, 2, 4, 8):
+      logits = mdl.logits(mdl.decode_state(s, pos)[0])
+      err = np.abs(np.asarray(logits) - _load(f'logits_r{r}.npy')).max()
+      assert err <= 1e-4, (r, err)
+  err = np.abs(np.stack(states) - _load('states_r8.npy')).max()
+  assert err <= 1e-4, err
+
+
+def test_initial_state_follows_huginn_distribution(imported):
+  cfg, mdl, _, _ = common.load_model(imported)
+  sigma = np.sqrt(2 / (5 * 64)) * 8.0  # README: sqrt(2/(5 n_embd)) * emb_scale
+  assert cfg.model.state_std == pytest.approx(sigma)
+  s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0)))
+  assert np.abs(s0).max() <= 3 * sigma + 1e-6 and np.abs(s0).max() > 2.5 * sigma
+  # std of a normal truncated at +-3 sigma: sigma * sqrt(1 - 6 phi(3) / (2 Phi(3) - 1))
+  phi3 = np.exp(-4.5) / np.sqrt(2 * np.pi)
+  assert s0.std() == pytest.approx(sigma * np.sqrt(1 - 6 * phi3 / 0.9973002), rel=0.02)
+
+
+def test_bfloat16_single_file_source_converts_exactly(tmp_path):
+  w = {k: v.astype(ml_dtypes.bfloat16) for k, v in _weights().items()}
+  src = _snapshot(tmp_path / 'bf16', w)
+  snap, files = huginn.resolve_source(os.path.join(src, 'model.safetensors'))
+  m = huginn.model_config(huginn.read_hf_config(snap))
+  found = huginn.scan(files)
+  huginn.check_keys(found, m)
+  params = huginn.convert(found, m)
+  wqkv = w['transformer.core_block.1.attn.Wqkv.weight'].astype(np.float32)
+  perm = huginn.rope_permutation(16)
+  got = params['core'][1]['attn']
+  assert got['wq_DxHxK'].dtype == np.float32
+  np.testing.assert_array_equal(got['wq_DxHxK'][:, 2, :], wqkv[32:48][perm].T)
+  np.testing.assert_array_equal(got['wv_DxGxK'][:, 3, :], wqkv[128 + 48:128 + 64].T)
+
+
+@pytest.mark.parametrize('edit,message', [
+    (lambda w: w.update(extra=np.zeros(3, np.float32)), '1 unknown key.*extra'),
+    (lambda w: w.pop('transformer.coda.0.norm_3.weight'),
+     '1 missing key.*transformer.coda.0.norm_3.weight'),
+    (lambda w: w.update({'transformer.adapter.weight': np.zeros((128, 64), np.float32)}),
+     r'1 mis-shaped key.*transformer.adapter.weight \[128, 64\] \(expected \[64, 128\]\)'),
+])
+def test_bad_keys_are_named(tmp_path, edit, message):
+  w = _weights()
+  edit(w)
+  src = _snapshot(tmp_path / 'src', w)
+  with pytest.raises(huginn.HuginnError, match=message):
+    huginn.import_huginn(src, str(tmp_path / 'wd'), log=lambda s: None)
+  assert not (tmp_path / 'wd').exists()  # checked before anything is written
+
+
+def test_cli_errors_exit_2(tmp_path):
+  src = _snapshot(tmp_path / 'src', _weights(),
+                  cfg_edit=lambda c: dict(c, block_class_name='Other'))
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  for args, want in (([f'--src={src}'], "'block_class_name': 'Other'"),
+                     (['--src=no-such-owner-zz/no-such-model-zz'], 'not a local path')):
+    out = subprocess.run([sys.executable, '-m', 'experiments.import_huginn',
+                          f'--workdir={tmp_path}/wd', *args], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=120, check=False)
+    assert out.returncode == 2 and out.stderr.startswith('error: ') and want in out.stderr, \
+        out.stderr
+  with pytest.raises(huginn.HuginnError, match='no such file'):
+    huginn.resolve_source(str(tmp_path / 'nope'))
+
+
+def test_imported_checkpoint_is_not_resumed_as_training(imported):
+  mngr = checkpoint.existing_manager(imported)
+  with pytest.raises(checkpoint.MismatchError, match='cannot be resumed|not resumed'):
+    checkpoint.restore_latest(mngr, None)
+  assert checkpoint.committed_steps(mngr) == [0]  # nothing moved aside
+  with pytest.raises(huginn.HuginnError, match='already holds'):
+    huginn.import_huginn(os.path.join(os.path.dirname(imported), 'src'), imported)
+
+
+def test_experiments_and_generation_run_on_the_imported_model(imported):
+  data = {'paths': str(FINEWEB), 'max_docs': '30'}
+  opts = common.Options(workdir=imported, batches=1, max_depth=4, progress=False, data=data)
+  el = eval_depth.run(opts)['results']
+  assert el['depths'] == [1, 2, 3, 4] and all(np.isfinite(el['loss']))
+  sw = sweep_eps.run(common.Options(workdir=imported, batches=1, max_depth=4, progress=False,
+                                    data=data, extra={'eps_grid': [0.0, 1e9]}))['results']
+  kl = sw['curves']['kl']
+  assert kl['mean_loops'] == [4, 2] and kl['loss'][0] == pytest.approx(el['loss'][-1],
+                                                                        rel=1e-5)
+  ld = common.load(opts)
+  prompt = jnp.asarray(ld.batches[0]['inputs'][:, :6], jnp.int32)
+  cfg = ExitConfig(policy='kl', eps=1e-3, min_loops=1, max_loops=4)
+  toks, depth = jax.jit(lambda p: inference.generate(ld.model, p, 4, cfg,
+                                                     jax.random.key(0)))(prompt)
+  assert toks.shape == (2, 10) and (np.asarray(toks[:, :6]) == np.asarray(prompt)).all()
+  assert ((1 <= np.asarray(depth)) & (np.asarray(depth) <= 4)).all()
+  never = dict(cfg.__dict__, eps=0.0)
+  _, d_full = inference.generate(ld.model, prompt, 2, ExitConfig(**never), jax.random.key(0))
+  assert (np.asarray(d_full) == 4).all()
