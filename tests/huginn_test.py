@@ -72,31 +72,42 @@ def imported(tmp_path_factory):
   return wd
 
 
+@pytest.fixture(scope='module')
+def loaded(imported):
+  """(cfg, model, step, meta) of the imported workdir, loaded as the experiments do."""
+  return common.load_model(imported)
+
+
 def _load(name):
   return np.load(FIXTURE / name)
 
 
-def test_reproduces_huginn_logits_and_per_loop_states(imported):
-  cfg, mdl, _, meta = common.load_model(imported)
+def test_reproduces_huginn_logits_and_per_loop_states(loaded):
+  cfg, mdl, _, meta = loaded
   assert meta[checkpoint.WEIGHTS_ONLY] and cfg.model.norm_before_coda
-  tokens, s = jnp.asarray(_load('tokens.npy')), jnp.asarray(_load('init_state.npy'))
-  pos = model_lib.positions(tokens)
-  e, _ = mdl.encode(tokens, pos)
+
+  @jax.jit
+  def run(tokens, s):  # 8 loops from Huginn's initial state; logits after every loop
+    pos = model_lib.positions(tokens)
+    e, _ = mdl.encode(tokens, pos)
+    states, logits = [], []
+    for _ in range(8):
+      s = mdl.core_step(s, e, pos)[0]
+      states.append(s)
+      logits.append(mdl.logits(mdl.decode_state(s, pos)[0]))
+    return e, jnp.stack(states), jnp.stack(logits)
+
+  e, states, logits = run(jnp.asarray(_load('tokens.npy')), jnp.asarray(_load('init_state.npy')))
   np.testing.assert_allclose(e, _load('prelude_out.npy'), atol=1e-5, rtol=0)
-  states = []
-  for r in range(1, 9):
-    s = mdl.core_step(s, e, pos)[0]
-    states.append(np.asarray(s))
-    if r in (1, 2, 4, 8):
-      logits = mdl.logits(mdl.decode_state(s, pos)[0])
-      err = np.abs(np.asarray(logits) - _load(f'logits_r{r}.npy')).max()
-      assert err <= 1e-4, (r, err)
-  err = np.abs(np.stack(states) - _load('states_r8.npy')).max()
+  for r in (1, 2, 4, 8):
+    err = np.abs(np.asarray(logits[r - 1]) - _load(f'logits_r{r}.npy')).max()
+    assert err <= 1e-4, (r, err)
+  err = np.abs(np.asarray(states) - _load('states_r8.npy')).max()
   assert err <= 1e-4, err
 
 
-def test_initial_state_follows_huginn_distribution(imported):
-  cfg, mdl, _, _ = common.load_model(imported)
+def test_initial_state_follows_huginn_distribution(loaded):
+  cfg, mdl, _, _ = loaded
   sigma = np.sqrt(2 / (5 * 64)) * 8.0  # README: sqrt(2/(5 n_embd)) * emb_scale
   assert cfg.model.state_std == pytest.approx(sigma)
   s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0)))
@@ -142,15 +153,16 @@ def test_cli_errors_exit_2(tmp_path):
   src = _snapshot(tmp_path / 'src', _weights(),
                   cfg_edit=lambda c: dict(c, block_class_name='Other'))
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
-  for args, want in (([f'--src={src}'], "'block_class_name': 'Other'"),
-                     (['--src=no-such-owner-zz/no-such-model-zz'], 'not a local path')):
-    out = subprocess.run([sys.executable, '-m', 'experiments.import_huginn',
-                          f'--workdir={tmp_path}/wd', *args], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=120, check=False)
-    assert out.returncode == 2 and out.stderr.startswith('error: ') and want in out.stderr, \
-        out.stderr
+  out = subprocess.run([sys.executable, '-m', 'experiments.import_huginn', f'--src={src}',
+                        f'--workdir={tmp_path}/wd'], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120, check=False)
+  assert out.returncode == 2 and out.stderr.startswith('error: unsupported Huginn settings '
+                                                        "{'block_class_name': 'Other'}")
+  assert not (tmp_path / 'wd').exists()
   with pytest.raises(huginn.HuginnError, match='no such file'):
     huginn.resolve_source(str(tmp_path / 'nope'))
+  with pytest.raises(huginn.HuginnError, match='not a local path'):  # no network here
+    huginn.resolve_source('no-such-owner-zz/no-such-model-zz')
 
 
 def test_imported_checkpoint_is_not_resumed_as_training(imported):
@@ -162,7 +174,7 @@ def test_imported_checkpoint_is_not_resumed_as_training(imported):
     huginn.import_huginn(os.path.join(os.path.dirname(imported), 'src'), imported)
 
 
-def test_experiments_and_generation_run_on_the_imported_model(imported):
+def test_experiments_and_generation_run_on_the_imported_model(imported, loaded):
   data = {'paths': str(FINEWEB), 'max_docs': '30'}
   opts = common.Options(workdir=imported, batches=1, max_depth=4, progress=False, data=data)
   el = eval_depth.run(opts)['results']
@@ -172,13 +184,28 @@ def test_experiments_and_generation_run_on_the_imported_model(imported):
   kl = sw['curves']['kl']
   assert kl['mean_loops'] == [4, 2] and kl['loss'][0] == pytest.approx(el['loss'][-1],
                                                                         rel=1e-5)
-  ld = common.load(opts)
-  prompt = jnp.asarray(ld.batches[0]['inputs'][:, :6], jnp.int32)
-  cfg = ExitConfig(policy='kl', eps=1e-3, min_loops=1, max_loops=4)
-  toks, depth = jax.jit(lambda p: inference.generate(ld.model, p, 4, cfg,
+  _, mdl, _, _ = loaded
+  prompt = jnp.asarray(_load('tokens.npy')[:, :6])
+  always = ExitConfig(policy='kl', eps=1e9, min_loops=1, max_loops=4)  # exit at first check
+  toks, depth = jax.jit(lambda p: inference.generate(mdl, p, 3, always,
                                                      jax.random.key(0)))(prompt)
-  assert toks.shape == (2, 10) and (np.asarray(toks[:, :6]) == np.asarray(prompt)).all()
-  assert ((1 <= np.asarray(depth)) & (np.asarray(depth) <= 4)).all()
-  never = dict(cfg.__dict__, eps=0.0)
-  _, d_full = inference.generate(ld.model, prompt, 2, ExitConfig(**never), jax.random.key(0))
-  assert (np.asarray(d_full) == 4).all()
+  assert toks.shape == (2, 9) and (np.asarray(toks[:, :6]) == np.asarray(prompt)).all()
+  assert (np.asarray(depth) == 2).all()  # KL needs two loops; max_loops is 4
+  assert ((0 <= np.asarray(toks)) & (np.asarray(toks) < 256)).all()
+
+
+def test_huginn_0125_config_maps_to_a_model_with_exactly_its_state_dict():
+  hf = dict(json.loads((FIXTURE / 'config.json').read_text()), n_embd=5280, n_heads=55,
+            num_key_value_heads=55, head_dim=96, intermediate_size=17920, vocab_size=65536,
+            padded_vocab_size=65536, block_size=4096, n_layers_in_prelude=2,
+            n_layers_in_recurrent_block=4, n_layers_in_coda=2, mean_recurrence=32,
+            init_values={})  # nebel-raven-3.5b in Huginn's model registry
+  cfg = huginn.full_config(hf)
+  m = cfg.model
+  assert m.embed_scale == pytest.approx(np.sqrt(5280)) and m.rope_theta == 50000
+  assert m.state_std == pytest.approx(np.sqrt(2 / (5 * 5280)) * np.sqrt(5280))
+  n = sum(int(np.prod(s)) for s in huginn.expected_shapes(m).values())
+  d, f, v = 5280, 17920, 65536  # by hand: 4 norms, Wqkv, proj, qk_bias, fc, mlp.proj
+  block = 4 * d + 3 * d * d + d * d + 2 * 5280 + 2 * f * d + d * f
+  assert model_lib.count_params(m) == n == v * d + 2 * d * d + d + 8 * block  # tied head
+  assert cfg.depth.mean == 32 and cfg.depth.r_max == cfg.exit.max_loops == 32
