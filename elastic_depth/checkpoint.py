@@ -209,8 +209,12 @@ def latest_meta(mngr: ocp.CheckpointManager) -> Optional[tuple[int, dict]]:
 
 
 def weights_only(state: Any) -> Any:
-  """The train state (or its abstract target) without optimizer state."""
-  return state.replace(opt_state=None)
+  """The abstract train state without optimizer state, placed on the default device (an
+  imported checkpoint is written from host memory, its saved sharding names the CPU)."""
+  where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+                      if isinstance(x, jax.ShapeDtypeStruct) else x,
+                      state.replace(opt_state=None))
 
 
 def _verify(state: Any, meta: dict) -> None:

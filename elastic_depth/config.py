@@ -169,7 +169,7 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f'model.init_state={m.init_state!r} not in {sorted(valid)}')
   if not (m.embed_scale > 0 and math.isfinite(m.embed_scale)):
     raise ConfigError(f'model.embed_scale={m.embed_scale} must be a finite number > 0')
-  for name in ('qk_bias', 'norm_before_coda', 'tie_embeddings'):
+  for name in ('qk_bias', 'norm_before_coda'):
     if not isinstance(getattr(m, name), bool):
       raise ConfigError(f'model.{name}={getattr(m, name)!r} must be true or false')
   if m.dtype not in ('float32', 'bfloat16', 'float16'):

@@ -291,16 +291,18 @@ def _put(tree: dict, path: tuple, x: np.ndarray) -> None:
 
 
 def convert(found: dict, m: ModelConfig, log: Callable[[str], None] = lambda s: None) -> dict:
-  """Our fp32 parameter tree, read shard by shard and tensor by tensor (one source tensor
-  in memory at a time besides the output)."""
+  """Our fp32 parameter tree (host jax arrays), read shard by shard and tensor by tensor:
+  peak host memory is the output plus a few copies of the largest tensor."""
+  import jax  # pylint: disable=g-import-not-at-top
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  cpu = jax.devices('cpu')[0]  # host arrays that orbax saves without another copy
   params = {}
   for path in sorted({v[0] for v in found.values()}):
     with safe_open(path, framework='numpy') as h:
       for k in h.keys():
         if k not in BUFFERS:
           for p, x in convert_tensor(k, h.get_tensor(k), m).items():
-            _put(params, p, x)
+            _put(params, p, jax.device_put(x, cpu))
     log(f'converted {os.path.basename(path)}')
   _check_tree(params, m)
   return params
