@@ -6,8 +6,9 @@
 #   SRC=tomg-group-umd/huginn-0125 bash launch/huginn_0125_sweep.sh   # needs the network
 # Cannot run on the development machines (no network, no GPU); its code path is tested on
 # the tiny fixture end to end (tests/huginn_test.py). Estimates by arithmetic (2026-12-03):
-# Memory: host 14.3 GB for the import (fp32 parameters, one source tensor at a time; ~32 GB
-#   machine is enough), 14.3 GB checkpoint on disk. Device: 14.3 GB fp32 parameters + at
+# Memory: import host peak ~19 GB (measured 1.31x the fp32 parameter bytes on a 138M bf16
+#   source, python -m experiments.bench_import, 2026-12-03; Huginn-0125: 14.3 GB fp32), so a
+#   32 GB machine is enough; checkpoint <= 14.3 GB on disk. Device: 14.3 GB fp32 params + at
 #   batch 8 x 1024: per-loop logits 2.1 GB (x3 live: p_i, p_{i-1}, log-softmax), attention
 #   scores 1.8 GB, frozen core keys/values 1.4 GB, states 0.2 GB each: ~25 GB peak.
 #   H200 (141 GB): fits. TPU v5e (16 GB per chip): does NOT fit on one chip and the
