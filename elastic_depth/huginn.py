@@ -17,7 +17,7 @@ import math
 import os
 import re
 import shutil
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -52,6 +52,15 @@ def _get(hf: dict, *names, default=None):
 
 def model_config(hf: dict) -> ModelConfig:
   """Our ModelConfig for a Huginn config.json dict (HuginnError if unsupported)."""
+  try:
+    return _model_config(hf)
+  except (TypeError, ValueError) as e:
+    if isinstance(e, HuginnError):
+      raise
+    raise HuginnError(f'{CONFIG_FILE}: a field has an unusable value ({e})') from None
+
+
+def _model_config(hf: dict) -> ModelConfig:
   bad = {k: hf.get(k) for k, v in SUPPORTED.items() if k in hf and hf[k] != v}
   if float(hf.get('test_time_noise', 0) or 0) != 0:
     bad['test_time_noise'] = hf['test_time_noise']
