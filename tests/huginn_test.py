@@ -19,7 +19,7 @@ from tokenizers import models, pre_tokenizers, trainers
 from elastic_depth import checkpoint, huginn, inference
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig
-from experiments import common, eval_depth, sweep_eps
+from experiments import common, convergence, eval_depth, sweep_eps, train_router
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / 'shared'
@@ -174,16 +174,24 @@ def test_imported_checkpoint_is_not_resumed_as_training(imported):
     huginn.import_huginn(os.path.join(os.path.dirname(imported), 'src'), imported)
 
 
-def test_experiments_and_generation_run_on_the_imported_model(imported, loaded):
-  data = {'paths': str(FINEWEB), 'max_docs': '30'}
-  opts = common.Options(workdir=imported, batches=1, max_depth=4, progress=False, data=data)
-  el = eval_depth.run(opts)['results']
+def test_every_experiment_runs_on_the_imported_model(imported):
+  def opts(**extra):
+    return common.Options(workdir=imported, batches=2, max_depth=4, progress=False,
+                          data={'paths': str(FINEWEB), 'max_docs': '30'}, extra=extra)
+  el = eval_depth.run(opts())['results']
   assert el['depths'] == [1, 2, 3, 4] and all(np.isfinite(el['loss']))
-  sw = sweep_eps.run(common.Options(workdir=imported, batches=1, max_depth=4, progress=False,
-                                    data=data, extra={'eps_grid': [0.0, 1e9]}))['results']
+  conv = convergence.run(opts(eps_conv=1e-3))['results']
+  assert conv['tokens'] == 64 and 'word' in conv['by_class']  # text: token classes
+  rt = train_router.run(opts(steps=20, lr=1e-2, max_pairs=1000))
+  assert os.path.isfile(rt['router']) and 0 <= rt['results']['heldout']['accuracy'] <= 1
+  sw = sweep_eps.run(opts(eps_grid=[0.0, 1e9], router=True, router_grid=[0.5]))['results']
   kl = sw['curves']['kl']
   assert kl['mean_loops'] == [4, 2] and kl['loss'][0] == pytest.approx(el['loss'][-1],
                                                                         rel=1e-5)
+  assert 'router' in sw['curves']
+
+
+def test_generation_with_per_token_exit_runs_on_the_imported_model(loaded):
   _, mdl, _, _ = loaded
   prompt = jnp.asarray(_load('tokens.npy')[:, :6])
   always = ExitConfig(policy='kl', eps=1e9, min_loops=1, max_loops=4)  # exit at first check
