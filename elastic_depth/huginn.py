@@ -21,11 +21,11 @@ from typing import Callable
 
 import numpy as np
 
+from elastic_depth import snapshot
 from elastic_depth.config import Config, DataConfig, DepthConfig, ExitConfig, ModelConfig, \
     TrainConfig, validate
 
-CONFIG_FILE = 'config.json'
-INDEX_FILE = 'model.safetensors.index.json'
+CONFIG_FILE = snapshot.CONFIG_FILE
 TOKENIZER_FILE = 'tokenizer.json'
 BUFFERS = ('freqs_cis',)  # persistent non-parameter buffers (RoPE table): ignored
 STACKS = {'prelude': 'prelude', 'core_block': 'core', 'coda': 'coda'}
@@ -37,8 +37,8 @@ SUPPORTED = {'block_class_name': 'SandwichBlock', 'norm_class_name': 'RMSNorm_ll
              'state_init': 'like-init', 'bias': False}
 
 
-class HuginnError(ValueError):
-  """A source that cannot be converted (names the file, key or setting)."""
+class HuginnError(snapshot.SourceError):
+  """A Huginn source that cannot be converted (names the key or setting)."""
 
 
 def _get(hf: dict, *names, default=None):
@@ -178,95 +178,6 @@ def convert_tensor(name: str, w: np.ndarray, m: ModelConfig) -> dict:
           for path, x in BLOCK_CONVERTERS[rest](w, m).items()}
 
 
-def _hub_snapshot(name: str) -> str:
-  """A local snapshot of a hub repository (safetensors + json files), or HuginnError."""
-  try:
-    import huggingface_hub  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    raise HuginnError(f'--src={name!r} is not a local path and huggingface_hub is not '
-                      'installed; download the snapshot elsewhere and pass its folder') from None
-  from elastic_depth.data import errors, sources  # pylint: disable=g-import-not-at-top
-  offline = not sources.hub_reachable()
-  try:
-    return huggingface_hub.snapshot_download(
-        name, allow_patterns=['*.json', '*.safetensors'], local_files_only=offline)
-  except Exception as e:  # pylint: disable=broad-except
-    why = (f'it is not in the local hub cache and {errors.UNREACHABLE_HINT}' if offline
-           else f'the download failed ({type(e).__name__}: {e})')
-    raise HuginnError(f'--src={name!r} is not a local path, and {why}') from None
-
-
-def resolve_source(src: str) -> tuple[str, list[str]]:
-  """(snapshot folder holding config.json, safetensors shard paths) for --src.
-
-  Args:
-    src: a snapshot folder (shards listed by model.safetensors.index.json, or every
-      *.safetensors in it), one .safetensors file beside its config.json, or a hub name.
-  """
-  if not os.path.exists(src):
-    if not re.fullmatch(r'[\w.-]+/[\w.-]+', src):
-      raise HuginnError(f'--src={src!r}: no such file or folder (nor a hub name owner/name)')
-    src = _hub_snapshot(src)
-  snap = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-  if not os.path.isfile(os.path.join(snap, CONFIG_FILE)):
-    raise HuginnError(f'{snap} has no {CONFIG_FILE} (the Huginn RavenConfig)')
-  if not os.path.isdir(src):
-    if not src.endswith('.safetensors'):
-      raise HuginnError(f'--src={src!r} is not a .safetensors file (torch .bin files are not '
-                        'read: convert them to safetensors)')
-    return snap, [src]
-  index = os.path.join(snap, INDEX_FILE)
-  if os.path.isfile(index):
-    with open(index, encoding='utf-8') as f:
-      names = sorted(set(_load_json(f, index).get('weight_map', {}).values()))
-    files = [os.path.join(snap, n) for n in names]
-    missing = [n for n, p in zip(names, files) if not os.path.isfile(p)]
-    if missing:
-      raise HuginnError(f'{INDEX_FILE} names shards missing from {snap}: {missing}')
-  else:
-    files = sorted(os.path.join(snap, n) for n in os.listdir(snap) if n.endswith('.safetensors'))
-  if not files:
-    raise HuginnError(f'no *.safetensors shards in {snap} (torch .bin files are not read)')
-  return snap, files
-
-
-def _load_json(f, path: str) -> dict:
-  try:
-    out = json.load(f)
-  except ValueError as e:
-    raise HuginnError(f'{path} is not valid JSON ({e})') from None
-  if not isinstance(out, dict):
-    raise HuginnError(f'{path} does not hold a JSON object')
-  return out
-
-
-def read_hf_config(snap: str) -> dict:
-  """The source's config.json as a dict."""
-  path = os.path.join(snap, CONFIG_FILE)
-  with open(path, encoding='utf-8') as f:
-    return _load_json(f, path)
-
-
-def scan(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
-  """key -> (shard, shape, dtype) from the shard headers only (no tensor is read)."""
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  found = {}
-  for path in files:
-    try:
-      with safe_open(path, framework='numpy') as h:
-        for k in h.keys():
-          if k in found:
-            raise HuginnError(f'key {k} is in two shards: {found[k][0]} and {path}')
-          s = h.get_slice(k)
-          found[k] = (path, tuple(s.get_shape()), s.get_dtype())
-    except HuginnError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      raise HuginnError(f'{path} is not a readable safetensors file '
-                        f'({type(e).__name__}: {e})') from None
-  return found
-
-
 def _listing(items: list[str], n: int = 12) -> str:
   return ', '.join(items[:n]) + (f' (and {len(items) - n} more)' if len(items) > n else '')
 
@@ -365,12 +276,13 @@ def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 102
 
   Returns:
     A summary dict (source, parameter count, tokenizer). Every check (config, keys,
-    shapes, tokenizer, workdir) runs before any tensor is read; HuginnError otherwise.
+    shapes, tokenizer, workdir) runs before any tensor is read; otherwise
+    snapshot.SourceError (HuginnError for Huginn-specific problems).
   """
   from elastic_depth import checkpoint, model, train  # pylint: disable=g-import-not-at-top
-  snap, files = resolve_source(src)
-  cfg = full_config(read_hf_config(snap), r_max, seq_len, batch_size, dtype)
-  found = scan(files)
+  snap, files = snapshot.resolve_source(src)
+  cfg = full_config(snapshot.read_hf_config(snap), r_max, seq_len, batch_size, dtype)
+  found = snapshot.scan(files)
   check_keys(found, cfg.model)
   _check_workdir(workdir)
   tok_path, tok = _tokenizer(snap, cfg.model)
@@ -399,3 +311,28 @@ def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 102
       + (', tokenizer.json)' if tok_path else '; no tokenizer.json in the source: '
          'evaluate with --data_tokenizer=PATH)'))
   return summary
+
+
+def memory_plan(cfg: Config, batch_size: int, seq_len: int) -> dict:
+  """GB of arguments / outputs / temporaries of the programs the experiments run (the
+  traced uniform-depth pass and the per-token KL-exit pass to depth cfg.depth.r_max),
+  compiled on abstract shapes for this machine's backend: nothing is allocated."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from elastic_depth import analysis, model  # pylint: disable=g-import-not-at-top
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model.LoopedLM(cfg.model, nnx.Rngs(0))))
+  tok = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  eps = jax.ShapeDtypeStruct((), jnp.float32)
+  r = cfg.depth.r_max
+  out = {'params': model.count_params(cfg.model), 'backend': jax.default_backend(),
+         'batch_size': batch_size, 'seq_len': seq_len, 'r_max': r}
+  for kind, static, args in (('trace', (r,), (state, tok, tok, key)),
+                             ('exit', ('kl', 1, r), (state, tok, tok, key, eps, None))):
+    fn = analysis._jitted(kind, graphdef, cfg.model, *static)  # pylint: disable=protected-access
+    with jax.default_matmul_precision('highest'):  # as analysis runs them
+      m = fn.lower(*args).compile().memory_analysis()
+    gb = {f: getattr(m, f'{f}_size_in_bytes') / 1e9 for f in ('argument', 'output', 'temp')}
+    out[kind] = dict(gb, total=sum(gb.values()))
+  return out

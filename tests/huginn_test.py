@@ -16,7 +16,7 @@ import safetensors.numpy as stn
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
-from elastic_depth import checkpoint, huginn, inference
+from elastic_depth import checkpoint, huginn, inference, snapshot
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig
 from experiments import common, convergence, eval_depth, sweep_eps, train_router
@@ -44,7 +44,7 @@ def _snapshot(path: pathlib.Path, weights: dict, shards: int = 1, cfg_edit=None)
     stn.save_file({k: weights[k] for k in group}, str(path / fname))
     weight_map.update({k: fname for k in group})
   if shards > 1:
-    (path / huginn.INDEX_FILE).write_text(json.dumps({'weight_map': weight_map}))
+    (path / snapshot.INDEX_FILE).write_text(json.dumps({'weight_map': weight_map}))
   cfg = json.loads((FIXTURE / 'config.json').read_text())
   (path / 'config.json').write_text(json.dumps(cfg if cfg_edit is None else cfg_edit(cfg)))
   return str(path)
@@ -120,9 +120,9 @@ def test_initial_state_follows_huginn_distribution(loaded):
 def test_bfloat16_single_file_source_converts_exactly(tmp_path):
   w = {k: v.astype(ml_dtypes.bfloat16) for k, v in _weights().items()}
   src = _snapshot(tmp_path / 'bf16', w)
-  snap, files = huginn.resolve_source(os.path.join(src, 'model.safetensors'))
-  m = huginn.model_config(huginn.read_hf_config(snap))
-  found = huginn.scan(files)
+  snap, files = snapshot.resolve_source(os.path.join(src, 'model.safetensors'))
+  m = huginn.model_config(snapshot.read_hf_config(snap))
+  found = snapshot.scan(files)
   huginn.check_keys(found, m)
   params = huginn.convert(found, m)
   wqkv = w['transformer.core_block.1.attn.Wqkv.weight'].astype(np.float32)
@@ -159,10 +159,10 @@ def test_cli_errors_exit_2(tmp_path):
   assert out.returncode == 2 and out.stderr.startswith('error: unsupported Huginn settings '
                                                         "{'block_class_name': 'Other'}")
   assert not (tmp_path / 'wd').exists()
-  with pytest.raises(huginn.HuginnError, match='no such file'):
-    huginn.resolve_source(str(tmp_path / 'nope'))
-  with pytest.raises(huginn.HuginnError, match='not a local path'):  # no network here
-    huginn.resolve_source('no-such-owner-zz/no-such-model-zz')
+  with pytest.raises(snapshot.SourceError, match='no such file'):
+    snapshot.resolve_source(str(tmp_path / 'nope'))
+  with pytest.raises(snapshot.SourceError, match='not a local path'):  # no network here
+    snapshot.resolve_source('no-such-owner-zz/no-such-model-zz')
 
 
 def test_imported_checkpoint_is_not_resumed_as_training(imported):
@@ -217,3 +217,14 @@ def test_huginn_0125_config_maps_to_a_model_with_exactly_its_state_dict():
   block = 4 * d + 3 * d * d + d * d + 2 * 5280 + 2 * f * d + d * f
   assert model_lib.count_params(m) == n == v * d + 2 * d * d + d + 8 * block  # tied head
   assert cfg.depth.mean == 32 and cfg.depth.r_max == cfg.exit.max_loops == 32
+
+
+def test_memory_plan_counts_the_parameters_as_arguments():
+  cfg = huginn.full_config(json.loads((FIXTURE / 'config.json').read_text()), r_max=4,
+                           seq_len=24, batch_size=2)
+  plan = huginn.memory_plan(cfg, 2, 24)
+  n = sum(v.size for k, v in _weights().items() if k not in ('freqs_cis', 'lm_head.weight'))
+  assert plan['params'] == n
+  for kind in ('trace', 'exit'):  # fp32 parameters + inputs and targets (+ key, eps)
+    assert abs(plan[kind]['argument'] * 1e9 - (4 * n + 2 * 4 * 2 * 24)) <= 64
+    assert plan[kind]['temp'] > 0
