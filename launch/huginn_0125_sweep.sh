@@ -8,11 +8,12 @@
 # the tiny fixture end to end (tests/huginn_test.py). Estimates by arithmetic (2026-12-03):
 # Memory: import host peak ~19 GB (measured 1.31x the fp32 parameter bytes on a 138M bf16
 #   source, python -m experiments.bench_import, 2026-12-03; Huginn-0125: 14.3 GB fp32), so a
-#   32 GB machine is enough; checkpoint <= 14.3 GB on disk. Device: 14.3 GB fp32 params + at
-#   batch 8 x 1024: per-loop logits 2.1 GB (x3 live: p_i, p_{i-1}, log-softmax), attention
-#   scores 1.8 GB, frozen core keys/values 1.4 GB, states 0.2 GB each: ~25 GB peak.
-#   H200 (141 GB): fits. TPU v5e (16 GB per chip): does NOT fit on one chip and the
-#   experiments do not shard parameters, so v5e-8 needs tensor-parallel sharding first.
+#   32 GB machine is enough; checkpoint <= 14.3 GB on disk. Device, from the compiled memory
+#   analysis (python -m experiments.import_huginn --src=SNAPSHOT --dry_run; XLA:CPU here,
+#   batch 8 x 1024, depth 32): traced pass 14.26 GB parameters + 9.49 GB temporaries = 23.8
+#   GB, KL-exit pass 14.26 + 10.70 = 25.0 GB. H200 (141 GB): fits. TPU v5e (16 GB per chip):
+#   does NOT fit on one chip and the experiments do not shard parameters, so v5e-8 needs
+#   tensor-parallel sharding first (not implemented).
 # FLOPs: one traced pass to depth 32 (coda + head read out at every loop) is 1.81e11 per
 #   token; 128 batches x 8 x 1024 = 1.05M tokens -> 1.9e17 per pass. eval_depth,
 #   convergence and train_router: 1 pass each; sweep_eps: 1 + 6 eps + 10 router thresholds,
