@@ -5,7 +5,7 @@
 #   SRC=/data/huginn-0125 bash launch/huginn_0125_sweep.sh   # a local HF snapshot folder
 #   SRC=tomg-group-umd/huginn-0125 bash launch/huginn_0125_sweep.sh   # needs the network
 # Cannot run on the development machines (no network, no GPU); its code path is tested on
-# the tiny fixture end to end (tests/huginn_test.py). Estimates by arithmetic (2026-12-03):
+# the tiny fixture end to end (tests/huginn_test.py). Estimates (2026-12-03):
 # Memory: import host peak ~19 GB (measured 1.31x the fp32 parameter bytes on a 138M bf16
 #   source, python -m experiments.bench_import, 2026-12-03; Huginn-0125: 14.3 GB fp32), so a
 #   32 GB machine is enough; checkpoint <= 14.3 GB on disk. Device, from the compiled memory
@@ -15,7 +15,7 @@
 #   does NOT fit on one chip and the experiments do not shard parameters, so v5e-8 needs
 #   tensor-parallel sharding first (not implemented).
 # FLOPs: one traced pass to depth 32 (coda + head read out at every loop) is 1.81e11 per
-#   token; 128 batches x 8 x 1024 = 1.05M tokens -> 1.9e17 per pass. eval_depth,
+#   token; 128 batches x 8 x 1024 = 1.05M tokens (~all 1,000 documents) -> 1.9e17 per pass. eval_depth,
 #   convergence and train_router: 1 pass each; sweep_eps: 1 + 6 eps + 10 router thresholds,
 #   early exit ~60% of a pass each -> ~11 passes in all, ~2.1e18 FLOPs.
 # Expected time: the analysis runs fp32 matmuls at precision 'highest' (no TF32/bf16):
