@@ -17,8 +17,7 @@
 # FLOPs: one traced pass to depth 32 (coda + head read out at every loop) is 1.81e11 per
 #   token; 128 batches x 8 x 1024 = 1.05M tokens (~all 1,000 documents) -> 1.9e17 per
 #   pass. eval_depth, convergence and train_router: 1 pass each; sweep_eps: 1 + 6 eps + 10
-#   router thresholds,
-#   early exit ~60% of a pass each -> ~11 passes in all, ~2.1e18 FLOPs.
+#   router thresholds, early exit ~60% of a pass each -> ~11 passes in all, ~2.1e18 FLOPs.
 # Expected time: the analysis runs fp32 matmuls at precision 'highest' (no TF32/bf16):
 #   one H200 (67 TFLOP/s fp32 peak, ~50% of it) ~18 h; TPU v5e-8 once sharded (fp32 as
 #   bf16x6 passes, ~260 TFLOP/s peak for 8 chips, ~40%) ~6 h. Halve --batches to halve it.
