@@ -75,22 +75,24 @@ def _check_fp32(model) -> None:
                      'are float32 either way)')
 
 
-@nnx.jit(static_argnames=('r_max',))
-def _trace_run(model, inputs_BxL, targets_BxL, key, *, r_max: int):
-  """Per-loop stats [R, B, L] of a uniform run at depth r_max."""
+def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
+  """Per-loop stats [R, B, L] of a uniform run at depth r_max (what trace_batches jits)."""
   cfg = ExitConfig(policy=ExitPolicy.UNIFORM, depth=r_max, max_loops=r_max)
   return inference.score(model, inputs_BxL, cfg, key, targets_BxL=targets_BxL,
                          trace=True).traces
 
 
-@nnx.jit(static_argnames=('policy', 'min_loops', 'r_max'))
-def _policy_run(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
-                min_loops: int, r_max: int):
-  """(NLL_BxL, depth_BxL) under an exit policy; eps is traced (one compile per policy)."""
+def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
+                   min_loops: int, r_max: int):
+  """(NLL_BxL, depth_BxL) under an exit policy (what policy_curve jits; eps is traced)."""
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=1)
   res = inference.score(model, inputs_BxL, cfg, key, router=router)
   return losses.nll(res.logits, targets_BxL), res.depth
+
+
+_trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
+_policy_run = nnx.jit(policy_outputs, static_argnames=('policy', 'min_loops', 'r_max'))
 
 
 def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],

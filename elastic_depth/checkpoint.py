@@ -13,6 +13,9 @@ Fault model (see WORKSPACE.md, "Faults and bad input"):
   * A checkpoint of another model config or tokenizer raises CheckpointError before
     anything is compiled; so does a failed save (e.g. disk full), naming the last
     complete checkpoint.
+  * An imported checkpoint (experiments.import_huginn) holds only the parameters
+    (`opt_state` None, meta `weights_only`): `load_state` reads it like any other, and
+    `restore_latest` (training --resume) refuses it rather than calling it corrupt.
 """
 
 import dataclasses
@@ -33,6 +36,7 @@ from absl import logging
 from elastic_depth.config import Config, ModelConfig
 
 CORRUPT_DIR = 'corrupt_checkpoints'
+WEIGHTS_ONLY = 'weights_only'  # meta key of checkpoints that hold no optimizer state
 
 
 class CheckpointError(RuntimeError):
@@ -204,6 +208,15 @@ def latest_meta(mngr: ocp.CheckpointManager) -> Optional[tuple[int, dict]]:
   return None
 
 
+def weights_only(state: Any) -> Any:
+  """The abstract train state without optimizer state, placed on the default device (an
+  imported checkpoint is written from host memory, its saved sharding names the CPU)."""
+  where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+                      if isinstance(x, jax.ShapeDtypeStruct) else x,
+                      state.replace(opt_state=None))
+
+
 def _verify(state: Any, meta: dict) -> None:
   want = meta.get('checksum')
   if want is None:
@@ -234,11 +247,12 @@ class _Walk(NamedTuple):
 
 
 def _walk(mngr: ocp.CheckpointManager, steps, abstract_state: Any, cfg: Optional[Config],
-          tokenizer) -> _Walk:
+          tokenizer, resuming: bool) -> _Walk:
   """Tries steps in order; the first that reads, matches cfg/tokenizer and verifies wins.
 
   A checkpoint of another model config or tokenizer raises MismatchError at once (never
-  skipped over); an unreadable or garbled one is recorded and the walk goes on.
+  skipped over); an unreadable or garbled one is recorded and the walk goes on. Imported
+  weights (no optimizer state) load for evaluation; resuming training from them is refused.
   """
   _mute_closed_loop_noise()
   errors, bad = [], []
@@ -250,8 +264,15 @@ def _walk(mngr: ocp.CheckpointManager, steps, abstract_state: Any, cfg: Optional
         check_model_config(meta.get('config', {}).get('model', {}), cfg.model, where)
       if tokenizer is not None:
         check_tokenizer(meta.get('tokenizer'), tokenizer, where)
+      target = abstract_state
+      if meta.get(WEIGHTS_ONLY):
+        if resuming:
+          raise MismatchError(f'checkpoint {where} holds imported weights without optimizer '
+                              f'state ({meta.get("source", "imported")}): it can be '
+                              'evaluated, not resumed; train in another --workdir')
+        target = weights_only(abstract_state)
       out = mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))
+          state=ocp.args.StandardRestore(target)))
       state = out['state']
       jax.block_until_ready(state)
       _verify(state, meta)
@@ -281,7 +302,8 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state: Any,
   Returns:
     None if there is no checkpoint at all; CheckpointError if none is usable.
   """
-  w = _walk(mngr, sorted(mngr.all_steps(), reverse=True), abstract_state, cfg, tokenizer)
+  w = _walk(mngr, sorted(mngr.all_steps(), reverse=True), abstract_state, cfg, tokenizer,
+            resuming=True)
   if w.found is None:
     if w.errors:
       raise CheckpointError(f'no usable checkpoint in {mngr.directory}: '
@@ -310,7 +332,7 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   if not steps:
     raise CheckpointError(f'no checkpoint in {path}')
-  w = _walk(mngr, steps, abstract_state, cfg, None)
+  w = _walk(mngr, steps, abstract_state, cfg, None, resuming=False)
   if w.found is None:
     raise CheckpointError(f'no usable checkpoint in {path}: ' + '; '.join(w.errors)[:4000])
   return w.found[1], w.found[2]

@@ -52,6 +52,11 @@ class ModelConfig:
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6
   dtype: str = 'float32'  # compute dtype; parameters are always fp32
+  # Options for imported models (Huginn-0125: see elastic_depth/huginn.py); the defaults
+  # are the behaviour of models trained here.
+  embed_scale: float = 1.0        # token embeddings are multiplied by this (Huginn: sqrt(D))
+  qk_bias: bool = False           # learned per-head bias on q and k, added before RoPE
+  norm_before_coda: bool = False  # final_norm also on the core state before the coda
 
 
 @dataclasses.dataclass
@@ -208,7 +213,7 @@ RANGES = {
                   num_kv_heads=AT_LEAST_1, head_dim=Range(2), mlp_dim=AT_LEAST_1,
                   n_prelude=NON_NEGATIVE, n_core=AT_LEAST_1, n_coda=NON_NEGATIVE,
                   max_len=AT_LEAST_1, rope_theta=POSITIVE, init_std=POSITIVE,
-                  state_std=NON_NEGATIVE, norm_eps=POSITIVE),
+                  state_std=NON_NEGATIVE, norm_eps=POSITIVE, embed_scale=POSITIVE),
     'depth': dict(mean=AT_LEAST_1, sigma=NON_NEGATIVE, r_max=AT_LEAST_1,
                   buckets=AT_LEAST_1, backprop_depth=NON_NEGATIVE),
     'data': dict(val_fraction=OPEN_UNIT, max_docs=NON_NEGATIVE, seed=NON_NEGATIVE,
@@ -261,6 +266,9 @@ def _check_relations(cfg: Config) -> None:
                       f'model.num_kv_heads={m.num_kv_heads}')
   if m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for RoPE')
+  for name in ('qk_bias', 'norm_before_coda'):
+    if not isinstance(getattr(m, name), bool):
+      raise ConfigError(f'model.{name}={getattr(m, name)!r} must be true or false')
   b = tuple(d.buckets)
   if list(b) != sorted(set(b)):
     raise ConfigError(f'depth.buckets={b} must be strictly increasing')

@@ -78,6 +78,10 @@ class Attention(nnx.Module):
     self.wk_DxGxK = _normal(rngs, (d, g, k), cfg.init_std)
     self.wv_DxGxK = _normal(rngs, (d, g, k), cfg.init_std)
     self.wo_HxKxD = _normal(rngs, (h, k, d), cfg.init_std)
+    if cfg.qk_bias:  # Huginn's qk_bias: added to q and k before RoPE
+      self.q_bias_HxK = nnx.Param(jnp.zeros((h, k), jnp.float32))
+      self.k_bias_GxK = nnx.Param(jnp.zeros((g, k), jnp.float32))
+    self.qk_bias = cfg.qk_bias
     self.theta = cfg.rope_theta
     self.dtype = DTYPES[cfg.dtype]
 
@@ -86,6 +90,9 @@ class Attention(nnx.Module):
     q = dense(x_BxLxD, self.wq_DxHxK[...].astype(dt))  # BLD,DHK->BLHK
     k = dense(x_BxLxD, self.wk_DxGxK[...].astype(dt))  # BLD,DGK->BLGK
     v = dense(x_BxLxD, self.wv_DxGxK[...].astype(dt))
+    if self.qk_bias:
+      q = q + self.q_bias_HxK[...].astype(dt)
+      k = k + self.k_bias_GxK[...].astype(dt)
     q, k = rope(q, pos_BxL, self.theta), rope(k, pos_BxL, self.theta)
     mask = None
     if kv_fn is not None:
@@ -159,7 +166,10 @@ class LoopedLM(nnx.Module):
 
   def encode(self, tokens_BxL, pos_BxL, kv_fns=None):
     """Embedding and prelude; returns the injection e_BxLxD and prelude (k, v)."""
-    x = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.dtype)
+    x = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0)
+    if self.cfg.embed_scale != 1.0:
+      x = x * self.cfg.embed_scale
+    x = x.astype(self.dtype)
     return _run_blocks(self.prelude, x, pos_BxL, kv_fns)
 
   def initial_state(self, e_BxLxD, rng: jax.Array) -> jax.Array:
@@ -201,7 +211,12 @@ class LoopedLM(nnx.Module):
     return _run_blocks(self.core, x, pos_BxL, kv_fns)
 
   def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None):
-    """Coda and final norm: the hidden h_BxLxD that the head reads, and coda (k, v)."""
+    """Coda and final norm: the hidden h_BxLxD that the head reads, and coda (k, v).
+
+    With cfg.norm_before_coda the same final norm is applied to the state first (Huginn).
+    """
+    if self.cfg.norm_before_coda:
+      s_BxLxD = self.final_norm(s_BxLxD)
     x, kvs = _run_blocks(self.coda, s_BxLxD, pos_BxL, kv_fns)
     return self.final_norm(x), kvs
 

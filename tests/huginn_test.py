@@ -1,0 +1,230 @@
+"""Huginn import: the tiny fixture made by Huginn's own PyTorch code is reproduced exactly,
+bad sources are clear errors, and the experiments run on the imported model."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy as stn
+import tokenizers
+from tokenizers import models, pre_tokenizers, trainers
+
+from elastic_depth import checkpoint, huginn, inference, snapshot
+from elastic_depth import model as model_lib
+from elastic_depth.config import ExitConfig
+from experiments import common, convergence, eval_depth, sweep_eps, train_router
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / 'shared'
+FIXTURE = SHARED / 'fixtures' / 'huginn_tiny'
+FINEWEB = SHARED / 'data' / 'fineweb_edu' / 'fineweb-edu.sample-350BT.part0.jsonl'
+pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f'{FIXTURE} absent')
+
+
+def _weights() -> dict:
+  return dict(np.load(FIXTURE / 'weights.npz'))
+
+
+def _snapshot(path: pathlib.Path, weights: dict, shards: int = 1, cfg_edit=None) -> str:
+  """Writes weights as an HF-style safetensors snapshot (with an index when sharded)."""
+  path.mkdir(parents=True)
+  names = sorted(weights)
+  groups = [names[i::shards] for i in range(shards)]
+  weight_map = {}
+  for i, group in enumerate(groups):
+    fname = f'model-{i + 1:05d}-of-{shards:05d}.safetensors' if shards > 1 else \
+        'model.safetensors'
+    stn.save_file({k: weights[k] for k in group}, str(path / fname))
+    weight_map.update({k: fname for k in group})
+  if shards > 1:
+    (path / snapshot.INDEX_FILE).write_text(json.dumps({'weight_map': weight_map}))
+  cfg = json.loads((FIXTURE / 'config.json').read_text())
+  (path / 'config.json').write_text(json.dumps(cfg if cfg_edit is None else cfg_edit(cfg)))
+  return str(path)
+
+
+def _small_tokenizer(path: pathlib.Path) -> None:
+  """A character BPE of 200 ids (fits the fixture's vocabulary of 256) with EOS."""
+  docs = [json.loads(line)['text'] for line in FINEWEB.read_text().splitlines()[:40]]
+  tok = tokenizers.Tokenizer(models.BPE(unk_token='[UNK]'))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(docs, trainers.BpeTrainer(
+      vocab_size=200, limit_alphabet=100, special_tokens=['[UNK]', '<|endoftext|>'],
+      show_progress=False))
+  tok.save(str(path / 'tokenizer.json'))
+
+
+@pytest.fixture(scope='module')
+def imported(tmp_path_factory):
+  """The fixture as a 2-shard snapshot with a tokenizer, imported into a workdir."""
+  root = tmp_path_factory.mktemp('huginn')
+  src = _snapshot(root / 'src', _weights(), shards=2)
+  _small_tokenizer(root / 'src')
+  wd = str(root / 'wd')
+  huginn.import_huginn(src, wd, r_max=8, seq_len=16, batch_size=2, log=lambda s: None)
+  return wd
+
+
+@pytest.fixture(scope='module')
+def loaded(imported):
+  """(cfg, model, step, meta) of the imported workdir, loaded as the experiments do."""
+  return common.load_model(imported)
+
+
+def _load(name):
+  return np.load(FIXTURE / name)
+
+
+def test_reproduces_huginn_logits_and_per_loop_states(loaded):
+  cfg, mdl, _, meta = loaded
+  assert meta[checkpoint.WEIGHTS_ONLY] and cfg.model.norm_before_coda
+
+  @jax.jit
+  def run(tokens, s):  # 8 loops from Huginn's initial state; logits after every loop
+    pos = model_lib.positions(tokens)
+    e, _ = mdl.encode(tokens, pos)
+    states, logits = [], []
+    for _ in range(8):
+      s = mdl.core_step(s, e, pos)[0]
+      states.append(s)
+      logits.append(mdl.logits(mdl.decode_state(s, pos)[0]))
+    return e, jnp.stack(states), jnp.stack(logits)
+
+  e, states, logits = run(jnp.asarray(_load('tokens.npy')), jnp.asarray(_load('init_state.npy')))
+  np.testing.assert_allclose(e, _load('prelude_out.npy'), atol=1e-5, rtol=0)
+  for r in (1, 2, 4, 8):
+    err = np.abs(np.asarray(logits[r - 1]) - _load(f'logits_r{r}.npy')).max()
+    assert err <= 1e-4, (r, err)
+  err = np.abs(np.asarray(states) - _load('states_r8.npy')).max()
+  assert err <= 1e-4, err
+
+
+def test_initial_state_follows_huginn_distribution(loaded):
+  cfg, mdl, _, _ = loaded
+  sigma = np.sqrt(2 / (5 * 64)) * 8.0  # README: sqrt(2/(5 n_embd)) * emb_scale
+  assert cfg.model.state_std == pytest.approx(sigma)
+  s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0)))
+  assert np.abs(s0).max() <= 3 * sigma + 1e-6 and np.abs(s0).max() > 2.5 * sigma
+  # std of a normal truncated at +-3 sigma: sigma * sqrt(1 - 6 phi(3) / (2 Phi(3) - 1))
+  phi3 = np.exp(-4.5) / np.sqrt(2 * np.pi)
+  assert s0.std() == pytest.approx(sigma * np.sqrt(1 - 6 * phi3 / 0.9973002), rel=0.02)
+
+
+def test_bfloat16_single_file_source_converts_exactly(tmp_path):
+  w = {k: v.astype(ml_dtypes.bfloat16) for k, v in _weights().items()}
+  src = _snapshot(tmp_path / 'bf16', w)
+  snap, files = snapshot.resolve_source(os.path.join(src, 'model.safetensors'))
+  m = huginn.model_config(snapshot.read_hf_config(snap))
+  found = snapshot.scan(files)
+  huginn.check_keys(found, m)
+  params = huginn.convert(found, m)
+  wqkv = w['transformer.core_block.1.attn.Wqkv.weight'].astype(np.float32)
+  perm = huginn.rope_permutation(16)
+  got = params['core'][1]['attn']
+  assert got['wq_DxHxK'].dtype == np.float32
+  np.testing.assert_array_equal(got['wq_DxHxK'][:, 2, :], wqkv[32:48][perm].T)
+  np.testing.assert_array_equal(got['wv_DxGxK'][:, 3, :], wqkv[128 + 48:128 + 64].T)
+
+
+@pytest.mark.parametrize('edit,message', [
+    (lambda w: w.update(extra=np.zeros(3, np.float32)), '1 unknown key.*extra'),
+    (lambda w: w.pop('transformer.coda.0.norm_3.weight'),
+     '1 missing key.*transformer.coda.0.norm_3.weight'),
+    (lambda w: w.update({'transformer.adapter.weight': np.zeros((128, 64), np.float32)}),
+     r'1 mis-shaped key.*transformer.adapter.weight \[128, 64\] \(expected \[64, 128\]\)'),
+])
+def test_bad_keys_are_named(tmp_path, edit, message):
+  w = _weights()
+  edit(w)
+  src = _snapshot(tmp_path / 'src', w)
+  with pytest.raises(huginn.HuginnError, match=message):
+    huginn.import_huginn(src, str(tmp_path / 'wd'), log=lambda s: None)
+  assert not (tmp_path / 'wd').exists()  # checked before anything is written
+
+
+def test_cli_errors_exit_2(tmp_path):
+  src = _snapshot(tmp_path / 'src', _weights(),
+                  cfg_edit=lambda c: dict(c, block_class_name='Other'))
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS='cpu')
+  out = subprocess.run([sys.executable, '-m', 'experiments.import_huginn', f'--src={src}',
+                        f'--workdir={tmp_path}/wd'], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120, check=False)
+  assert out.returncode == 2 and out.stderr.startswith('error: unsupported Huginn settings '
+                                                        "{'block_class_name': 'Other'}")
+  assert not (tmp_path / 'wd').exists()
+  with pytest.raises(snapshot.SourceError, match='no such file'):
+    snapshot.resolve_source(str(tmp_path / 'nope'))
+  with pytest.raises(snapshot.SourceError, match='not a local path'):  # no network here
+    snapshot.resolve_source('no-such-owner-zz/no-such-model-zz')
+
+
+def test_imported_checkpoint_is_not_resumed_as_training(imported):
+  mngr = checkpoint.existing_manager(imported)
+  with pytest.raises(checkpoint.MismatchError, match='cannot be resumed|not resumed'):
+    checkpoint.restore_latest(mngr, None)
+  assert checkpoint.committed_steps(mngr) == [0]  # nothing moved aside
+  with pytest.raises(huginn.HuginnError, match='already holds'):
+    huginn.import_huginn(os.path.join(os.path.dirname(imported), 'src'), imported)
+
+
+def test_every_experiment_runs_on_the_imported_model(imported):
+  opts = common.Options(workdir=imported, batches=2, max_depth=4, progress=False,
+                        data={'paths': str(FINEWEB), 'max_docs': '30'})
+  el = eval_depth.run(opts)['results']
+  assert el['depths'] == [1, 2, 3, 4] and all(np.isfinite(el['loss']))
+  conv = convergence.run(opts, convergence.ConvergenceOptions(eps_conv=1e-3))['results']
+  assert conv['tokens'] == 64 and 'word' in conv['by_class']  # text: token classes
+  rt = train_router.run(opts, train_router.RouterOptions(steps=20, lr=1e-2, max_pairs=1000))
+  assert os.path.isfile(rt['router']) and 0 <= rt['results']['heldout']['accuracy'] <= 1
+  sw = sweep_eps.run(opts, sweep_eps.SweepOptions(eps_grid=[0.0, 1e9], router=True,
+                                                  router_grid=[0.5]))['results']
+  kl = sw['curves']['kl']
+  assert kl['mean_loops'] == [4, 2] and kl['loss'][0] == pytest.approx(el['loss'][-1],
+                                                                        rel=1e-5)
+  assert 'router' in sw['curves']
+
+
+def test_generation_with_per_token_exit_runs_on_the_imported_model(loaded):
+  _, mdl, _, _ = loaded
+  prompt = jnp.asarray(_load('tokens.npy')[:, :6])
+  always = ExitConfig(policy='kl', eps=1e9, min_loops=1, max_loops=4)  # exit at first check
+  toks, depth = jax.jit(lambda p: inference.generate(mdl, p, 3, always,
+                                                     jax.random.key(0)))(prompt)
+  assert toks.shape == (2, 9) and (np.asarray(toks[:, :6]) == np.asarray(prompt)).all()
+  assert (np.asarray(depth) == 2).all()  # KL needs two loops; max_loops is 4
+  assert ((0 <= np.asarray(toks)) & (np.asarray(toks) < 256)).all()
+
+
+def test_huginn_0125_config_maps_to_a_model_with_exactly_its_state_dict():
+  hf = dict(json.loads((FIXTURE / 'config.json').read_text()), n_embd=5280, n_heads=55,
+            num_key_value_heads=55, head_dim=96, intermediate_size=17920, vocab_size=65536,
+            padded_vocab_size=65536, block_size=4096, n_layers_in_prelude=2,
+            n_layers_in_recurrent_block=4, n_layers_in_coda=2, mean_recurrence=32,
+            init_values={})  # nebel-raven-3.5b in Huginn's model registry
+  cfg = huginn.full_config(hf)
+  m = cfg.model
+  assert m.embed_scale == pytest.approx(np.sqrt(5280)) and m.rope_theta == 50000
+  assert m.state_std == pytest.approx(np.sqrt(2 / (5 * 5280)) * np.sqrt(5280))
+  n = sum(int(np.prod(s)) for s in huginn.expected_shapes(m).values())
+  d, f, v = 5280, 17920, 65536  # by hand: 4 norms, Wqkv, proj, qk_bias, fc, mlp.proj
+  block = 4 * d + 3 * d * d + d * d + 2 * 5280 + 2 * f * d + d * f
+  assert model_lib.count_params(m) == n == v * d + 2 * d * d + d + 8 * block  # tied head
+  assert cfg.depth.mean == 32 and cfg.depth.r_max == cfg.exit.max_loops == 32
+
+
+def test_memory_plan_counts_the_parameters_as_arguments():
+  cfg = huginn.full_config(json.loads((FIXTURE / 'config.json').read_text()), r_max=4,
+                           seq_len=24, batch_size=2)
+  plan = huginn.memory_plan(cfg, 2, 24)
+  n = sum(v.size for k, v in _weights().items() if k not in ('freqs_cis', 'lm_head.weight'))
+  assert plan['params'] == n
+  for kind in ('trace', 'exit'):  # fp32 parameters + inputs and targets (+ key, eps)
+    assert abs(plan[kind]['argument'] * 1e9 - (4 * n + 2 * 4 * 2 * 24)) <= 64
+    assert plan[kind]['temp'] > 0
