@@ -84,11 +84,11 @@ def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
 
 def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
                    min_loops: int, r_max: int):
-  """(NLL_BxL, depth_BxL) under an exit policy (what policy_curve jits; eps is traced)."""
+  """(NLL_BxL, inference.Counts) under an exit policy (what policy_curve jits; eps is traced)."""
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=1)
   res = inference.score(model, inputs_BxL, cfg, key, router=router)
-  return losses.nll(res.logits, targets_BxL), res.depth
+  return losses.nll(res.logits, targets_BxL), res.counts
 
 
 _trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
@@ -228,26 +228,16 @@ class Curve(NamedTuple):
   min_loops: int = 1
 
 
-def check_readouts(depth: np.ndarray, policy: str, min_loops: int = 1) -> np.ndarray:
-  """Readouts (coda + head) a token's exit checks need (check_every = 1).
+def executed_flops(mcfg, core, coda, head, seq_len: int):
+  """Forward FLOPs per token position from executed counts (`inference.Counts`).
 
-  KL policies consult loops max(min_loops, 2)..depth, each needing p_i and p_{i-1}:
-  readouts of loops max(min_loops, 2) - 1..depth (each computed once). State-change
-  and router checks need no readout (their O(D) cost is not counted).
+  prelude + core loops x loop + coda readouts x coda + head products x head, with
+  model.flops_per_token's parts; counts may be batch passes (what the masked engine
+  runs for every position) or per-token arrays (the work of active tokens only).
   """
-  if policy not in KL_POLICIES:
-    return np.zeros_like(depth)
-  first = max(min_loops, 2)
-  return np.where(depth >= first, depth - first + 2, 0)
-
-
-def token_flops(mcfg, depth: np.ndarray, seq_len: int, policy: str = 'uniform',
-                min_loops: int = 1) -> np.ndarray:
-  """Forward FLOPs per token: prelude + depth loops + final coda/head + exit checks."""
   f = model_lib.flops_per_token(mcfg, 0, seq_len)
-  d = np.asarray(depth, np.float64)
-  return (f['prelude'] + d * f['loop'] + f['coda_head']
-          + check_readouts(d, policy, min_loops) * f['coda_head'])
+  core, coda, head = (np.asarray(x, np.float64) for x in (core, coda, head))
+  return f['prelude'] + core * f['loop'] + coda * (f['coda_head'] - f['head']) + head * f['head']
 
 
 def uniform_curve(trace: Trace, mcfg) -> dict:
@@ -256,7 +246,7 @@ def uniform_curve(trace: Trace, mcfg) -> dict:
   seq_len = trace.inputs.shape[1]
   return {'policy': 'uniform', 'threshold': e['depths'], 'mean_loops': [float(d) for d in e['depths']],
           'loss': e['loss'],
-          'flops': [float(token_flops(mcfg, np.float64(d), seq_len)) for d in e['depths']]}
+          'flops': [float(executed_flops(mcfg, d, 1, 1, seq_len)) for d in e['depths']]}
 
 
 def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -264,31 +254,44 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   """Scores the batches with `inference.score` at every threshold of the curve.
 
   The threshold is a traced argument: one compilation per policy (and batch shape).
+  FLOPs are as executed (`executed_flops` of the engine's counts): 'flops' is what
+  the masked engine ran per position (every position runs the batch's deepest
+  token's loops and every check's readout); 'flops_active' is the work of active
+  tokens only (loops, readouts and head products while active, plus the final
+  readout), i.e. what an engine running active tokens only would execute.
   """
   _check_fp32(model)
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
   run = functools.partial(_policy_run, policy=policy, min_loops=min_loops, r_max=r_max)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
-  out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'mean_checks',
-                         'share_max_depth')}
+  out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
+                         'mean_core_passes', 'mean_readouts', 'share_max_depth')}
+  mask = np.concatenate([np.asarray(b['mask'], np.float32) for b in batches])
   with jax.default_matmul_precision('highest'):
     for eps in _bar(list(curve.thresholds), f'sweep {policy.value}', progress):
-      nll, depth = [], []
+      nll, counts = [], []
       for k, b in enumerate(batches):
-        n, d = jax.device_get(run(
+        n, c = jax.device_get(run(
             model, jnp.asarray(b['inputs'], jnp.int32),
             jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
             curve.router))
         nll.append(n)
-        depth.append(d)
-      nll, depth = np.concatenate(nll), np.concatenate(depth)
-      mask = np.concatenate([np.asarray(b['mask'], np.float32) for b in batches])
+        counts.append(c)
+      cat = lambda name: np.concatenate([getattr(c, name) for c in counts])
+      per_pos = lambda name: np.concatenate([np.full(c.depth.shape, getattr(c, name), np.float64)
+                                             for c in counts])
+      nll, depth = np.concatenate(nll), cat('depth')
       out['threshold'].append(float(eps))
       out['mean_loops'].append(_masked_mean(depth, mask))
       out['loss'].append(_masked_mean(nll, mask))
-      out['flops'].append(_masked_mean(token_flops(model.cfg, depth, seq_len, policy,
-                                                   min_loops), mask))
-      out['mean_checks'].append(_masked_mean(check_readouts(depth, policy, min_loops), mask))
+      ones = np.ones_like(mask)  # the masked engine runs every position, padding included
+      out['flops'].append(_masked_mean(executed_flops(
+          model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),
+          seq_len), ones))
+      out['flops_active'].append(_masked_mean(executed_flops(
+          model.cfg, depth, cat('coda'), cat('head'), seq_len), mask))
+      out['mean_core_passes'].append(_masked_mean(per_pos('core_passes'), ones))
+      out['mean_readouts'].append(_masked_mean(cat('coda'), mask))
       out['share_max_depth'].append(_masked_mean(depth == r_max, mask))
   out['policy'] = policy
   return out
@@ -333,7 +336,9 @@ def headline(a0: dict, curve: dict, ref_depth: float, delta: float = DEFAULT_DEL
         'index': i, 'threshold': curve['threshold'][i], 'mean_loops': float(ml[i]),
         'loss': float(loss[i]), 'flops': float(fl[i]),
         'loop_saving': float(1.0 - ml[i] / ref_depth),
-        'flops_saving': float(1.0 - fl[i] / ref_flops),
+        'flops_saving': float(1.0 - fl[i] / ref_flops),  # as the masked engine executed
+        'flops_active_saving': (float(1.0 - curve['flops_active'][i] / ref_flops)
+                                if 'flops_active' in curve else None),
         'a0_loss_same_loops': float(a0_same_loops[i]),
         'gap_same_loops': float(loss[i] - a0_same_loops[i]),
         'a0_loss_same_flops': float(a0_same_flops[i]),

@@ -32,6 +32,29 @@ class ScoreResult(NamedTuple):
   state: jax.Array    # final state [B, L, D]
   prelude_kv: Any     # per prelude block (k, v)
   coda_kv: Any        # per coda block (k, v) of the final readout
+  counts: Any = None  # Counts: the work this engine executed
+
+
+class Counts(NamedTuple):
+  """Work an engine executed, counted where it ran (final readout included).
+
+  Batch passes run every row of the batch (B x L tokens in `score`, B in
+  `decode_step`); per-token counts are the work done while the token was active
+  (what an engine that runs active tokens only would execute).
+  """
+  core_passes: jax.Array   # core loops run over the batch, int32 []
+  coda_passes: jax.Array   # coda + final-norm readouts over the batch, int32 []
+  head_passes: jax.Array   # LM-head products over the batch, int32 []
+  depth: jax.Array         # core loops per token, int32 [B, L]
+  coda: jax.Array          # readouts per token, int32 [B, L]
+  head: jax.Array          # head products per token, int32 [B, L]
+
+
+def _counts(res: recurrence.ExitResult, final: int = 1) -> Counts:
+  """Counts of an early_exit run whose check carry is a policies.CheckCarry, plus `final` readouts."""
+  c = res.check
+  return Counts(res.loops, c.coda + final, c.head + final, res.depth, c.coda_BxL + final,
+                c.head_BxL + final)
 
 
 def _freeze(kv_prev, active_BxL):
@@ -65,7 +88,7 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
                                                  trace=trace))
   res = out.aux
   return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.e, out.state,
-                     out.prelude_kv, out.coda_kv)
+                     out.prelude_kv, out.coda_kv, _counts(res))
 
 
 def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False):
@@ -85,10 +108,11 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
     readout = lambda s: model.decode_state(s, pos)[0]
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
-        router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
+        router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
+        min_loops=cfg.min_loops, check_every=cfg.check_every)
     res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                                 min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
-                                check_every=cfg.check_every, trace=trace)
+                                check_every=cfg.check_every, trace=trace, return_check=True)
     return res.state, res
   return loop
 
@@ -156,8 +180,8 @@ def _pair_cached(cache_kv, pos):
 
 
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
-                router=None):
-  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B).
+                router=None, with_counts: bool = False):
+  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]).
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
@@ -182,7 +206,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   else:
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
-        w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel)
+        w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel,
+        min_loops=cfg.min_loops, check_every=cfg.check_every)
     carry = carry0(s0)
   res = recurrence.early_exit(masked_step, check_fn, s0, cache.core, carry,
                               min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
@@ -193,17 +218,23 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     take = lambda x: lax.dynamic_slice_in_dim(x, pos, 1, 1)
     return model.logits(h)[:, 0], [(take(k), take(v)) for k, v in coda_kv]
   if fast:
-    logits_c, kv_c, fresh = res.check
-    logits, new_kv = lax.cond(jnp.all(fresh), lambda _: (logits_c, kv_c), final_readout,
-                              None)
+    logits_c, kv_c, fresh, books = res.check
+    final = jnp.logical_not(jnp.all(fresh))
+    logits, new_kv = lax.cond(final, final_readout, lambda _: (logits_c, kv_c), None)
+    counts = _counts(res._replace(check=books), final.astype(jnp.int32))
   else:
     logits, new_kv = final_readout(None)
+    counts = _counts(res)
   coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
-  return logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0]
+  out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
+  return out + (counts,) if with_counts else out
 
 
 def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: int):
-  """The decode-time A1 check: carry = (logits_BxV, coda (k, v) of the token, fresh_B)."""
+  """The decode-time A1 check: carry = (logits_BxV, coda (k, v), fresh_B, CheckCarry counts).
+
+  Each check reads two states (loops i-1 and i) in one coda + head pass: counted as two.
+  """
   c = model.cfg
   pos_Bx2 = jnp.full((batch, 2), pos, jnp.int32)
 
@@ -216,7 +247,7 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
 
   def check_fn(s_new, s_old, carry, i, active_Bx1):
-    logits_c, kv_c, fresh = carry
+    logits_c, kv_c, fresh, books = carry
     delta = policies.relative_change(s_new, s_old)[:, 0]
     may = (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
     gate = delta < cfg.gate if cfg.gate > 0 else jnp.ones_like(delta, bool)
@@ -234,11 +265,15 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     logits_c = upd(logits, logits_c, act)
     kv_c = jax.tree.map(lambda n, o: upd(n, o, act), kv, kv_c)
     fresh = jnp.where(act, ran, fresh)
-    return ((kl < cfg.eps) & gate)[:, None], (logits_c, kv_c, fresh), {}
+    n = 2 * run.astype(jnp.int32)
+    books = policies.CheckCarry((), books.coda + n, books.head + n,
+                                books.coda_BxL + n * active_Bx1, books.head_BxL + n * active_Bx1)
+    return ((kl < cfg.eps) & gate)[:, None], (logits_c, kv_c, fresh, books), {}
 
   z = jnp.zeros((batch, 1, c.num_kv_heads, c.head_dim), model.dtype)
   carry = (jnp.zeros((batch, c.vocab_size), jnp.float32), [(z, z) for _ in range(c.n_coda)],
-           jnp.zeros((batch,), bool))
+           jnp.zeros((batch,), bool), policies.CheckCarry((), jnp.int32(0), jnp.int32(0),
+                                                          *[jnp.zeros((batch, 1), jnp.int32)] * 2))
   return check_fn, carry
 
 

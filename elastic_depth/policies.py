@@ -8,11 +8,12 @@ decoding.
 """
 
 import math
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from elastic_depth.config import DepthConfig, ExitPolicy
 from elastic_depth.kernels import kl_halting
@@ -79,19 +80,42 @@ def relative_change(s_new, s_old) -> jax.Array:
   return jnp.linalg.norm(a - b, axis=-1) / (jnp.linalg.norm(a, axis=-1) + 1e-12)
 
 
-def _kl_stats(h_new, h_old, w_VxD, use_kernel: bool):
-  """(KL(p_new || p_old), argmax p_new, lse p_new) per token, and h_new, h_old as [N, D]."""
-  b, l, d = h_new.shape
-  hn, ho = h_new.reshape(b * l, d), h_old.reshape(b * l, d)
-  kl, am, lse = kl_halting.kl_halting_auto(hn, ho, w_VxD, use_kernel=use_kernel)
-  return kl.reshape(b, l), am.reshape(b, l), lse.reshape(b, l), hn, ho
+class CheckCarry(NamedTuple):
+  """Carry of the exit check: what p_{i-1} needs, and the readouts it executed."""
+  prev: Any             # p_{i-1}: logits [B, L, V] fp32, or its hidden [B, L, D] (kernel)
+  coda: jax.Array       # readout passes (coda + final norm) over the batch, int32 []
+  head: jax.Array       # head products over the batch, int32 []
+  coda_BxL: jax.Array   # readouts run while the token was active, int32 [B, L]
+  head_BxL: jax.Array   # head products run while the token was active, int32 [B, L]
+
+
+def _counted(carry: CheckCarry, prev, active_BxL, coda: int, head: int) -> CheckCarry:
+  """carry with prev replaced and coda/head executions added (per batch and per active token)."""
+  a = active_BxL.astype(jnp.int32)
+  return CheckCarry(prev, carry.coda + coda, carry.head + head,
+                    carry.coda_BxL + coda * a, carry.head_BxL + head * a)
+
+
+def _flat_logits(h_BxLxD, w_VxD):
+  b, l, d = h_BxLxD.shape
+  return kl_halting.head_logits(h_BxLxD.reshape(b * l, d), w_VxD).reshape(b, l, -1)
+
+
+def _flat(x):
+  return x.reshape(-1, x.shape[-1])
 
 
 def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None,
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
-                  trace: bool = False):
+                  trace: bool = False, min_loops: int = 1, check_every: int = 1):
   """Builds (check_fn, carry0_fn) for `recurrence.early_exit`.
+
+  KL criteria run a readout only at the loops whose p_i a check reads (check loops
+  and the loops just before them), keep p_{i-1}'s logits in the carry (one head
+  product per readout; the fused kernel keeps the hidden state and recomputes
+  p_{i-1}: two), and compute reverse KL from the same two logit arrays. The carry
+  counts what ran (`CheckCarry`).
 
   Args:
     policy: an ExitPolicy value.
@@ -100,33 +124,78 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     w_VxD: LM head; needed by KL policies / trace.
     router: A2 probe; needed by the router policy.
     targets_BxL: if given with trace, stats include the per-loop NLL of the targets.
-    use_kernel: fused Pallas KL on GPU.
+    use_kernel: fused Pallas KL on GPU (not with trace).
     trace: compute KL, reverse KL, state change, argmax (and NLL) at every loop.
+    min_loops, check_every: the engine's check schedule (checks at loops >= 2 only).
   Returns:
-    check_fn and carry0_fn(s0) -> initial carry.
+    check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
   policy = ExitPolicy(policy)
   needs_head = trace or policy in (ExitPolicy.KL, ExitPolicy.REVERSE_KL)
+  kernel = needs_head and not trace and kl_halting.kernel_active(use_kernel)
+  first_check = max(min_loops, 2)
+
+  def is_check(i):
+    return (i >= first_check) & ((i - min_loops) % check_every == 0)
 
   def carry0(s0):
-    return readout(s0) if needs_head else jnp.zeros((), s0.dtype)
+    b, l = s0.shape[:2]
+    zero = lambda: jnp.zeros((b, l), jnp.int32)
+    empty = CheckCarry(jnp.zeros((), s0.dtype), jnp.int32(0), jnp.int32(0), zero(), zero())
+    if not needs_head:
+      return empty
+    if trace:  # the loop-1 stats compare with the initial state's readout
+      h0 = readout(s0)
+      return _counted(empty, _flat_logits(h0, w_VxD), jnp.ones((b, l), bool), 1, 1)
+    prev = (jnp.zeros_like(s0) if kernel else
+            jnp.zeros((b, l, w_VxD.shape[0]), jnp.float32))
+    return empty._replace(prev=prev)
 
-  def check_fn(s_new, s_old, h_old, i, active=None):
-    del active  # every token is checked; the engine masks the decision
+  def head_stats(s_new, carry, i, active):
+    """(stats of the check at loop i, carry with p_i); a readout only where one is read."""
+    shape = s_new.shape[:2]
+    inf = jnp.full(shape, jnp.inf, jnp.float32)
+    none = {'kl': inf, 'rkl': inf, 'argmax': jnp.zeros(shape, jnp.int32),
+            'lse': jnp.zeros(shape, jnp.float32), 'logit_t': jnp.zeros(shape, jnp.float32)}
+
+    def kernel_kl(h, h_old):
+      hn, ho = (_flat(h), _flat(h_old))
+      if policy == ExitPolicy.REVERSE_KL:
+        return dict(none, rkl=kl_halting.kl_halting_auto(ho, hn, w_VxD)[0].reshape(shape))
+      kl, am, _ = kl_halting.kl_halting_auto(hn, ho, w_VxD)
+      return dict(none, kl=kl.reshape(shape), argmax=am.reshape(shape))
+
+    def run(c):
+      h = readout(s_new)
+      if kernel:
+        st = lax.cond(is_check(i), lambda: kernel_kl(h, c.prev), lambda: none)
+        return st, _counted(c, h, active, 1, 0)._replace(
+            head=c.head + 2 * is_check(i), head_BxL=c.head_BxL
+            + 2 * (active & is_check(i)).astype(jnp.int32))
+      a = _flat_logits(h, w_VxD)
+      kl, am, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(c.prev))
+      st = dict(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape),
+                rkl=none['rkl'], logit_t=none['logit_t'])
+      if trace or policy == ExitPolicy.REVERSE_KL:
+        st['rkl'] = kl_halting.reference_kl_from_logits(_flat(c.prev), _flat(a))[0].reshape(shape)
+      if trace and targets_BxL is not None:
+        st['logit_t'] = jnp.take_along_axis(a, targets_BxL[..., None], -1)[..., 0]
+      return st, _counted(c, a, active, 1, 1)
+
+    if trace:
+      return run(carry)
+    return lax.cond(is_check(i) | is_check(i + 1), run, lambda c: (none, c), carry)
+
+  def check_fn(s_new, s_old, carry, i, active=None):
+    active = jnp.ones(s_new.shape[:2], bool) if active is None else active
     stats = {'delta': relative_change(s_new, s_old)}
     if needs_head:
-      h_new = readout(s_new)
-      kl, am, lse, hn, ho = _kl_stats(h_new, h_old, w_VxD, use_kernel)
-      stats.update(kl=kl, argmax=am)
+      st, carry = head_stats(s_new, carry, i, active)
+      stats.update(kl=st['kl'], argmax=st['argmax'])
       if trace or policy == ExitPolicy.REVERSE_KL:
-        stats['rkl'] = kl_halting.kl_halting_auto(ho, hn, w_VxD, use_kernel=use_kernel
-                                                  )[0].reshape(kl.shape)
+        stats['rkl'] = st['rkl']
       if trace and targets_BxL is not None:
-        logit_t = jnp.einsum('BLD,BLD->BL', h_new.astype(jnp.float32),
-                             jnp.take(w_VxD, targets_BxL, axis=0).astype(jnp.float32))
-        stats['nll'] = lse - logit_t
-    else:
-      h_new = h_old
+        stats['nll'] = st['lse'] - st['logit_t']
     if router is not None:
       stats['p_change'] = jax.nn.sigmoid(router_logit(router, s_new))
     first = i < 2  # no previous distribution at loop 1
@@ -138,6 +207,6 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
         ExitPolicy.ROUTER: lambda: stats['p_change'] < eps,
     }
     out_stats = stats if trace else {}
-    return exit_map[policy](), h_new, out_stats
+    return exit_map[policy](), carry, out_stats
 
   return check_fn, carry0

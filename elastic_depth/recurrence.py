@@ -73,6 +73,7 @@ class ExitResult(NamedTuple):
   loops: jax.Array         # loops the while_loop ran (max over tokens), int32 []
   traces: Any              # per-loop stats [R, B, L] (zeros unless trace=True)
   check: Any = None        # final carry of check_fn (with return_check=True)
+  counts: Any = None       # executed work (inference.exit_loop fills it: Counts)
 
 
 def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0: Any,

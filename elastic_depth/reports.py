@@ -151,10 +151,12 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
   for name, h in res['headline'].items():
     b = h['best'] or {}
     rows.append([name, h['ref_loss'], b.get('threshold'), b.get('mean_loops'), b.get('loss'),
-                 b.get('loop_saving'), b.get('flops_saving'), b.get('a0_loss_same_loops'),
+                 b.get('loop_saving'), b.get('flops_saving'), b.get('flops_active_saving'),
+                 b.get('a0_loss_same_loops'),
                  b.get('gap_same_loops'), h['uniform_depth_within_delta']])
   md += table(['policy', 'A0 loss @ref', 'eps', 'mean loops', 'loss', 'loop saving',
-               'FLOP saving', 'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
+               'FLOP saving (masked, executed)', 'FLOP saving (active tokens, executed)',
+               'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
               rows)
   a0 = res['a0']
   md += '\n## A0 (uniform depth)\n\n' + table(
@@ -163,9 +165,11 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
   for name, c in res['curves'].items():
     fr = res['headline'][name]['frontier']
     md += f'\n## {name}\n\n' + table(
-        ['threshold', 'mean loops', 'loss', 'GFLOPs/token', 'share at R',
+        ['threshold', 'mean loops', 'loss', 'core passes', 'GFLOPs/token (masked)',
+         'GFLOPs/token (active)', 'readouts/token', 'share at R',
          'A0 loss @same loops', 'gap', 'A0 loss @same FLOPs'],
-        [[c['threshold'][i], c['mean_loops'][i], c['loss'][i], c['flops'][i] / 1e9,
+        [[c['threshold'][i], c['mean_loops'][i], c['loss'][i], c['mean_core_passes'][i],
+          c['flops'][i] / 1e9, c['flops_active'][i] / 1e9, c['mean_readouts'][i],
           c['share_max_depth'][i], fr['a0_loss_same_loops'][i], fr['gap_same_loops'][i],
           fr['a0_loss_same_flops'][i]] for i in range(len(c['threshold']))])
   return md

@@ -152,19 +152,21 @@ def test_sweep_end_points_and_accounting(setup):
   assert 2 < c['mean_loops'][1] < R
   assert c['mean_loops'][1] == pytest.approx(np.sum(depth * mask) / np.sum(mask))
   np.testing.assert_allclose(c['loss'][1], np.sum(nll * mask) / np.sum(mask), rtol=1e-5)
+  # active tokens: a readout at each of their loops (every loop is a check or precedes
+  # one) and the final readout; the masked engine runs each batch's deepest loops
   hand = 0.0
   for d, m in zip(depth.ravel(), mask.ravel()):
     hand += m * (f['prelude'] + d * f['loop'] + f['coda_head'] + d * f['coda_head'])
-  assert c['flops'][1] == pytest.approx(hand / mask.sum())
-  assert c['mean_checks'][1] == pytest.approx(c['mean_loops'][1])
+  assert c['flops_active'][1] == pytest.approx(hand / mask.sum())
+  passes = depth.reshape(len(batches), -1).max(axis=1)
+  masked = [f['prelude'] + p * f['loop'] + (p + 1) * f['coda_head'] for p in passes]
+  assert c['flops'][1] == pytest.approx(np.mean(masked))
+  assert c['mean_core_passes'][1] == pytest.approx(np.mean(passes))
+  assert c['mean_readouts'][1] == pytest.approx(c['mean_loops'][1] + 1)
 
 
-def test_check_readouts_and_router_curve(setup):
+def test_router_curve(setup):
   mdl, batches, rng, _ = setup
-  d = np.arange(1, 8)
-  np.testing.assert_array_equal(analysis.check_readouts(d, 'kl', min_loops=3),
-                                [0, 0, 2, 3, 4, 5, 6])
-  np.testing.assert_array_equal(analysis.check_readouts(d, 'state_delta'), 0)
   dm = mdl.cfg.d_model
   router = policies.Router(jnp.zeros(dm), jnp.float32(0.0), jnp.zeros(dm), jnp.ones(dm))
   c = analysis.policy_curve(mdl, batches, rng, analysis.Curve('router', [0.4, 0.6], router), R)

@@ -103,12 +103,15 @@ def reference_kl_halting(h_NxD, hprev_NxD, w_VxD):
     lse_N float32 log-sum-exp of p's logits).
   """
   dtype = _common_dtype(h_NxD, hprev_NxD, w_VxD)
-  w_VxD = w_VxD.astype(dtype)
-  a_NxV = jnp.einsum('nd,vd->nv', h_NxD.astype(dtype), w_VxD,
-                     preferred_element_type=_F32)
-  b_NxV = jnp.einsum('nd,vd->nv', hprev_NxD.astype(dtype), w_VxD,
-                     preferred_element_type=_F32)
-  return reference_kl_from_logits(a_NxV, b_NxV)
+  return reference_kl_from_logits(head_logits(h_NxD, w_VxD, dtype),
+                                  head_logits(hprev_NxD, w_VxD, dtype))
+
+
+def head_logits(h_NxD, w_VxD, dtype=None):
+  """One head product h w^T with fp32 accumulation: logits [N, V] (what the reference reads)."""
+  dtype = _common_dtype(h_NxD, w_VxD) if dtype is None else dtype
+  return jnp.einsum('nd,vd->nv', h_NxD.astype(dtype), w_VxD.astype(dtype),
+                    preferred_element_type=_F32)
 
 
 # ---------------------------------------------------------------------------
@@ -354,6 +357,11 @@ def gpu_block_d(d):
   return d if d == _next_pow2(d) and d <= 256 else 64
 
 
+def kernel_active(use_kernel: bool) -> bool:
+  """Whether kl_halting_auto takes the fused path (use_kernel on a GPU backend)."""
+  return bool(use_kernel) and jax.default_backend() == 'gpu'
+
+
 def kl_halting_auto(h_NxD, hprev_NxD, w_VxD, use_kernel=True):
   """Pallas kernel on GPU when use_kernel is set, else the jnp reference.
 
@@ -365,8 +373,13 @@ def kl_halting_auto(h_NxD, hprev_NxD, w_VxD, use_kernel=True):
 
   Returns:
     (kl_N, argmax_N, lse_N) as in `reference_kl_halting`.
+
+  Both paths compute two head products per call (h and hprev): the fused kernel keeps
+  no logits, so a caller that already holds p_{i-1}'s logits should call
+  `reference_kl_from_logits` (one head product) instead; `policies.make_check_fn`
+  does so off the kernel path and counts two head products per kernel check.
   """
-  if use_kernel and jax.default_backend() == 'gpu':
+  if kernel_active(use_kernel):
     return kl_halting(h_NxD, hprev_NxD, w_VxD, block_n=64, block_v=128,
                       block_d=gpu_block_d(h_NxD.shape[1]))
   return reference_kl_halting(h_NxD, hprev_NxD, w_VxD)
