@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import losses, policies, recurrence
+from elastic_depth import losses, model as model_lib, policies, recurrence
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM
 
@@ -51,7 +51,7 @@ class Counts(NamedTuple):
 
 
 def _counts(res: recurrence.ExitResult, final: int = 1) -> Counts:
-  """Counts of an early_exit run whose check carry is a policies.CheckCarry, plus `final` readouts."""
+  """Counts of an early_exit run (check carry: policies.CheckCarry) plus `final` readouts."""
   c = res.check
   return Counts(res.loops, c.coda + final, c.head + final, res.depth, c.coda_BxL + final,
                 c.head_BxL + final)
@@ -126,6 +126,7 @@ class Cache(NamedTuple):
   prelude: list
   core: list
   coda: list
+  hash: Any = None  # model.prefix_hash of each row through the last written token, [B]
 
 
 def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
@@ -133,7 +134,7 @@ def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
   c = model.cfg
   z = lambda: (jnp.zeros((batch, max_len, c.num_kv_heads, c.head_dim), model.dtype),) * 2
   return Cache([z() for _ in range(c.n_prelude)], [z() for _ in range(c.n_core)],
-               [z() for _ in range(c.n_coda)])
+               [z() for _ in range(c.n_coda)], jnp.zeros((batch,), jnp.uint32))
 
 
 def _write(cache_kv, kv, start):
@@ -164,7 +165,8 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
   cache = init_cache(model, prompt_BxP.shape[0], max_len)
   cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, res.prelude_kv)],
                 [_write(c, kv, 0) for c, kv in zip(cache.core, res.kv)],
-                [_write(c, kv, 0) for c, kv in zip(cache.coda, res.coda_kv)])
+                [_write(c, kv, 0) for c, kv in zip(cache.coda, res.coda_kv)],
+                model_lib.prefix_hash(prompt_BxP, model_lib.positions(prompt_BxP))[:, -1])
   return cache, res.logits[:, -1], res.depth
 
 
@@ -191,7 +193,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   tok = token_B[:, None]
   pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
   e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
-  s0 = model.initial_state(e, jax.random.fold_in(rng, pos))
+  hash_B = cache.hash + model_lib.hash_step(token_B, pos_Bx1[:, 0])
+  s0 = model.initial_state(e, rng, pos_Bx1, hash_B[:, None])  # as in the parallel forward
 
   def masked_step(s, core_kv, active_Bx1):
     fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
@@ -226,7 +229,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     logits, new_kv = final_readout(None)
     counts = _counts(res)
   coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
-  out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
+  out = (logits, Cache(pre_kv, list(res.kv), coda, hash_B), res.depth[:, 0])
   return out + (counts,) if with_counts else out
 
 

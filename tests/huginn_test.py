@@ -110,7 +110,10 @@ def test_initial_state_follows_huginn_distribution(loaded):
   cfg, mdl, _, _ = loaded
   sigma = np.sqrt(2 / (5 * 64)) * 8.0  # README: sqrt(2/(5 n_embd)) * emb_scale
   assert cfg.model.state_std == pytest.approx(sigma)
-  s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0)))
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 64)), jnp.int32)
+  pos = model_lib.positions(toks)
+  s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0), pos,
+                                    model_lib.prefix_hash(toks, pos)))
   assert np.abs(s0).max() <= 3 * sigma + 1e-6 and np.abs(s0).max() > 2.5 * sigma
   # std of a normal truncated at +-3 sigma: sigma * sqrt(1 - 6 phi(3) / (2 Phi(3) - 1))
   phi3 = np.exp(-4.5) / np.sqrt(2 * np.pi)

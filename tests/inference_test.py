@@ -11,7 +11,7 @@ from elastic_depth import config, inference, losses, model as model_lib
 B, L, R = 2, 10, 10
 
 
-def tiny_cfg(init_state='random'):
+def tiny_cfg(init_state='random'):  # the default of every config
   return config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
                             head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
                             max_len=64, init_state=init_state, init_std=0.1)
@@ -46,7 +46,7 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng):
   """Parallel semantics with plain Python loops over loops, blocks and tokens."""
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
-  s = mdl.initial_state(e, rng)
+  s = mdl.initial_state(e, rng, pos, model_lib.prefix_hash(toks, pos))
   b, l = toks.shape
   depth = np.zeros((b, l), int)
   active = np.ones((b, l), bool)
@@ -124,7 +124,7 @@ def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):
   # uniform depth through the exit engine equals the plain training forward pass
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
-  s = mdl.initial_state(e, rng)
+  s = mdl.initial_state(e, rng, pos, model_lib.prefix_hash(toks, pos))
   for _ in range(R):
     s = mdl.core_step(s, e, pos)[0]
   ref = mdl.logits(mdl.decode_state(s, pos)[0])
@@ -205,7 +205,8 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng):
     p = jnp.full((1, 1), t, jnp.int32)
     x = jnp.take(mdl.embed_VxD[...], toks[:, t:t + 1], axis=0)
     e, _ = run(mdl.prelude, pre, x, p, True)
-    s = mdl.initial_state(e, jax.random.fold_in(rng, t))
+    hash_1x1 = model_lib.prefix_hash(toks, model_lib.positions(toks))[:, t:t + 1]
+    s = mdl.initial_state(e, rng, p, hash_1x1)
     h_prev = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
     d = 0
     for i in range(1, max_loops + 1):
@@ -226,8 +227,7 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng):
 
 
 def test_generation_matches_brute_force_and_teacher_forced_scoring():
-  cfg_m = tiny_cfg(init_state='zeros')
-  mdl = model_lib.LoopedLM(cfg_m, nnx.Rngs(11))
+  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(11))
   rng = jax.random.key(0)
   prompt = jnp.asarray([[3, 17, 5, 9]], jnp.int32)
   probe = config.ExitConfig(policy='uniform', depth=R)
@@ -251,7 +251,8 @@ def test_generation_matches_brute_force_and_teacher_forced_scoring():
 def test_cache_size_independent_of_loops():
   mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(0))
   c8 = inference.init_cache(mdl, 1, 32)
-  leaves = jax.tree.leaves(c8)
+  assert c8.hash.shape == (1,)  # the running prefix hash: one word per row
+  leaves = jax.tree.leaves(c8._replace(hash=None))
   n_blocks = mdl.cfg.n_prelude + mdl.cfg.n_core + mdl.cfg.n_coda
   assert len(leaves) == 2 * n_blocks
   assert all(x.shape == (1, 32, 2, 8) for x in leaves)
@@ -259,7 +260,7 @@ def test_cache_size_independent_of_loops():
 
 def test_batched_generation_equals_per_row_generation():
   """Rows exit at different loops; each row must equal its batch-1 generation."""
-  mdl = model_lib.LoopedLM(tiny_cfg(init_state='zeros'), nnx.Rngs(5))
+  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(5))
   rng = jax.random.key(0)
   prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
   tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
@@ -277,7 +278,7 @@ def test_batched_generation_equals_per_row_generation():
 
 def test_batched_cached_scoring_equals_per_row_scoring():
   """Logits, not only greedy tokens: inactive rows must keep their cache slots."""
-  mdl = model_lib.LoopedLM(tiny_cfg(init_state='zeros'), nnx.Rngs(5))
+  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(5))
   rng = jax.random.key(0)
   toks = jnp.asarray(np.random.default_rng(3).integers(0, 48, (2, 12)), jnp.int32)
   tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
@@ -292,3 +293,53 @@ def test_batched_cached_scoring_equals_per_row_scoring():
     np.testing.assert_array_equal(np.asarray(depth[row:row + 1]), np.asarray(d1))
     np.testing.assert_allclose(np.asarray(logits[row:row + 1]), np.asarray(l1),
                                atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# One semantics: a token's initial state depends on (seed, position, its prefix) only.
+
+
+def _kl_cfg(mdl, toks, rng):
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
+  return config.ExitConfig(policy='kl', eps=float(np.median(np.asarray(tr['kl'][2:]))),
+                           max_loops=R)
+
+
+def test_parallel_scoring_batched_equals_per_row_and_prefix_equals_whole(setup):
+  mdl, toks = setup
+  rng = jax.random.key(4)
+  cfg = _kl_cfg(mdl, toks, rng)
+  run = jax.jit(lambda t: inference.score(mdl, t, cfg, rng))
+  full = run(toks)
+  assert len(np.unique(np.asarray(full.depth))) > 1  # ragged exits
+  for row in range(B):
+    one = run(toks[row:row + 1])
+    np.testing.assert_array_equal(np.asarray(one.depth), np.asarray(full.depth[row:row + 1]))
+    np.testing.assert_allclose(np.asarray(one.logits), np.asarray(full.logits[row:row + 1]),
+                               atol=1e-5, rtol=1e-5)
+  p = L // 2
+  pre = run(toks[:, :p])  # a prefix exits and reads out as inside the whole sequence
+  np.testing.assert_array_equal(np.asarray(pre.depth), np.asarray(full.depth[:, :p]))
+  np.testing.assert_allclose(np.asarray(pre.logits), np.asarray(full.logits[:, :p]),
+                             atol=1e-5, rtol=1e-5)
+  # a row's initial states do not depend on the rows beside it
+  pos = model_lib.positions(toks)
+  e, _ = mdl.encode(toks, pos)
+  s0 = mdl.initial_state(e, rng, pos, model_lib.prefix_hash(toks, pos))
+  swapped = toks[::-1]
+  s1 = mdl.initial_state(e[::-1], rng, pos, model_lib.prefix_hash(swapped, pos))
+  np.testing.assert_array_equal(np.asarray(s0), np.asarray(s1[::-1]))
+  assert not np.allclose(np.asarray(s0[:, 0]), np.asarray(s0[:, 1]))  # positions differ
+
+
+def test_cached_scoring_starts_from_the_parallel_initial_states(setup):
+  """At one loop both semantics attend to the same keys/values: equal only if s0 is."""
+  mdl, toks = setup
+  rng = jax.random.key(6)
+  one = config.ExitConfig(policy='uniform', depth=1)
+  par = inference.score(mdl, toks, one, rng).logits
+  cached, _, _ = jax.jit(lambda t: inference.score_cached(mdl, t, 3, one, rng))(toks)
+  # cached logits k predict token 3 + k: parallel outputs at positions 2..L-2
+  np.testing.assert_allclose(np.asarray(cached), np.asarray(par[:, 2:-1]), atol=1e-5,
+                             rtol=1e-5)
