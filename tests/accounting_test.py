@@ -1,0 +1,150 @@
+"""Executed-work counts (inference.Counts) against a brute-force count of what ran.
+
+Every core loop, readout (coda + final norm) and LM-head product logs an event from
+inside the compiled program (an ordered jax.debug.callback), so the log is what
+actually executed; the expected per-token counts are rebuilt from the log and the
+tokens' depths alone.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import config, inference, policies, recurrence
+from elastic_depth import model as model_lib
+from elastic_depth.kernels import kl_halting
+
+B, L, R = 2, 6, 9
+MIN_LOOPS, CHECK_EVERY = 3, 3  # checks at loops 3, 6, 9: readouts at 2, 3, 5, 6, 8, 9
+
+
+@pytest.fixture(scope='module')
+def mdl():
+  cfg = config.ModelConfig(vocab_size=40, d_model=16, num_heads=2, num_kv_heads=1,
+                           head_dim=8, mlp_dim=32, n_prelude=1, n_core=1, n_coda=1,
+                           max_len=32, init_std=0.3)
+  return model_lib.LoopedLM(cfg, nnx.Rngs(2))
+
+
+@pytest.fixture()
+def events(monkeypatch):
+  """Installs logging wrappers; returns the (kind, rows per batch row) event log."""
+  log = []
+
+  def logged(kind, fn, width_of):
+    def wrapped(*args, **kw):
+      out = fn(*args, **kw)
+      w = width_of(*args)
+      jax.debug.callback(lambda: log.append((kind, w)), ordered=True)
+      return out
+    return wrapped
+  cls = model_lib.LoopedLM
+  monkeypatch.setattr(cls, 'core_step', logged('core', cls.core_step, lambda *a: 1))
+  # a readout of [B, L, D] in scoring is one pass; decode reads [B, 1 or 2, D]
+  width = lambda self, x, *a: 1 if x.shape[1] > 2 else x.shape[1]
+  monkeypatch.setattr(cls, 'decode_state', logged('coda', cls.decode_state, width))
+  monkeypatch.setattr(cls, 'logits', logged('head', cls.logits, width))
+  monkeypatch.setattr(kl_halting, 'head_logits',
+                      logged('head', kl_halting.head_logits, lambda *a: 1))
+  # marks the end of the exit loop: later readouts are the final ones
+  monkeypatch.setattr(recurrence, 'early_exit',
+                      logged('end', recurrence.early_exit, lambda *a: 0))
+  return log
+
+
+def brute_counts(log, depth):
+  """(core, coda, head) batch totals and per-token coda/head from the event log."""
+  loop, ended, total = 0, False, {'core': 0, 'coda': 0, 'head': 0, 'end': 0}
+  coda_tok, head_tok = np.zeros(depth.shape, int), np.zeros(depth.shape, int)
+  for kind, w in log:
+    total[kind] += w
+    if kind == 'core':
+      loop += 1
+    elif kind == 'end':
+      ended = True
+    elif ended:  # a final readout: every token
+      (coda_tok if kind == 'coda' else head_tok)[...] += w
+    else:  # a check's readout at `loop`: the tokens still active there
+      (coda_tok if kind == 'coda' else head_tok)[...] += w * (depth >= loop)
+  return total, coda_tok, head_tok
+
+
+def assert_counts(counts, log, depth):
+  total, coda_tok, head_tok = brute_counts(log, depth)
+  assert int(counts.core_passes) == total['core'] == depth.max()
+  assert int(counts.coda_passes) == total['coda']
+  assert int(counts.head_passes) == total['head']
+  np.testing.assert_array_equal(np.asarray(counts.depth), depth)
+  np.testing.assert_array_equal(np.asarray(counts.coda), coda_tok)
+  np.testing.assert_array_equal(np.asarray(counts.head), head_tok)
+
+
+def exit_cfg(policy, eps, **kw):
+  return config.ExitConfig(policy=policy, eps=eps, min_loops=MIN_LOOPS, max_loops=R,
+                           check_every=CHECK_EVERY, **kw)
+
+
+def _router(d):
+  rs = np.random.default_rng(1)
+  return policies.Router(jnp.asarray(rs.normal(size=d), jnp.float32), jnp.float32(0.0),
+                         jnp.zeros(d), jnp.ones(d))
+
+
+def _depth_from_trace(stat_RxBxL, eps):
+  """First scheduled check loop (>= 2) with stat < eps, else R: the engine's rule."""
+  depth = np.full(stat_RxBxL.shape[1:], R)
+  for i in range(R, 0, -1):
+    if i >= max(MIN_LOOPS, 2) and (i - MIN_LOOPS) % CHECK_EVERY == 0:
+      depth = np.where(stat_RxBxL[i - 1] < eps, i, depth)
+  return depth
+
+
+@pytest.mark.parametrize('policy', ['kl', 'reverse_kl', 'state_delta', 'router'])
+def test_scoring_counts_match_executed_work(mdl, events, policy):
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 40, (B, L)), jnp.int32)
+  rng = jax.random.key(0)
+  router = _router(mdl.cfg.d_model)
+  probe = config.ExitConfig(policy='uniform', depth=R, max_loops=R)
+  tr = jax.device_get(inference.score(mdl, toks, probe, rng, router=router, trace=True).traces)
+  stat = {'kl': tr['kl'], 'reverse_kl': tr['rkl'], 'state_delta': tr['delta'],
+          'router': tr['p_change']}[policy]
+  eps = float(np.median(stat[MIN_LOOPS - 1:]))  # some tokens exit at each check
+  jax.effects_barrier()
+  events.clear()
+  res = inference.score(mdl, toks, exit_cfg(policy, eps), rng, router=router)
+  jax.effects_barrier()
+  depth = np.asarray(res.depth)
+  # results as the full trace decides them (p_{i-1} from the carry changes nothing)
+  np.testing.assert_array_equal(depth, _depth_from_trace(stat, eps))
+  assert len(np.unique(depth)) > 1
+  assert_counts(res.counts, list(events), depth)
+  head_policy = policy in ('kl', 'reverse_kl')
+  # no readout before loop 2 and none at loops 1, 4, 7; one head product per readout
+  expect = len([i for i in (2, 3, 5, 6, 8, 9) if i <= depth.max()]) if head_policy else 0
+  assert int(res.counts.coda_passes) == expect + 1
+  assert int(res.counts.head_passes) == expect + 1
+
+
+@pytest.mark.parametrize('policy,gate', [('kl', 0.0), ('kl', 0.3), ('reverse_kl', 0.0)])
+def test_decode_counts_match_executed_work(mdl, events, policy, gate):
+  toks = jnp.asarray(np.random.default_rng(2).integers(0, 40, (B, 5)), jnp.int32)
+  rng = jax.random.key(1)
+  cfg = exit_cfg(policy, 1e-3, gate=gate)
+  cache, _, _ = inference.prefill(mdl, toks[:, :3], cfg, rng, 8)
+  seen = set()
+  for eps in (1e-4, 1e-1):
+    cfg = exit_cfg(policy, eps, gate=gate)
+    jax.effects_barrier()
+    events.clear()
+    _, _, depth, counts = inference.decode_step(mdl, cache, toks[:, 3], 3, cfg, rng,
+                                                with_counts=True)
+    jax.effects_barrier()
+    depth = np.asarray(depth)[:, None]
+    seen.update(depth.ravel().tolist())
+    assert_counts(counts, list(events), depth)
+    if policy == 'kl':  # the paired check reads two states per check
+      end = events.index(('end', 0))
+      assert all(w == 2 for k, w in events[:end] if k in ('coda', 'head'))
+  assert len(seen) > 1
