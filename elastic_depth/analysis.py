@@ -23,7 +23,7 @@ from flax import nnx
 
 from elastic_depth import inference, losses, policies
 from elastic_depth import model as model_lib
-from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
 DEFAULT_DELTA = 0.01  # nats/token: the tolerance of 'matches quality'
 
@@ -93,7 +93,25 @@ def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: 
 
 
 _trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
-_policy_run = nnx.jit(policy_outputs, static_argnames=('policy', 'min_loops', 'r_max'))
+def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
+                   min_loops: int, r_max: int):
+  """policy_outputs in cached semantics: token 0 prefilled, then decode_step per token.
+
+  Counts cover the decoded positions 1..L-1 (batch passes: [L-1], per token [B, L-1]);
+  `depth` covers every position.
+  """
+  cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
+                   max_loops=r_max, check_every=1)
+  toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
+  logits, depth, depth0, n = inference.score_cached(model, toks, 1, cfg, key, router,
+                                                    with_counts=True)
+  n = jax.tree.map(lambda x: x[..., :-1], n)  # drop the step that decodes the last target
+  return losses.nll(logits, targets_BxL), n._replace(depth=jnp.concatenate([depth0, n.depth], 1))
+
+
+_statics = ('policy', 'min_loops', 'r_max')
+_RUNS = {Semantics.PARALLEL: nnx.jit(policy_outputs, static_argnames=_statics),
+         Semantics.CACHED: nnx.jit(cached_outputs, static_argnames=_statics)}
 
 
 def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -227,6 +245,7 @@ class Curve(NamedTuple):
   thresholds: Sequence[float]
   router: Optional[policies.Router] = None
   min_loops: int = 1
+  semantics: Semantics = Semantics.PARALLEL
 
 
 def executed_flops(mcfg, core, coda, head, seq_len: int):
@@ -253,18 +272,21 @@ def uniform_curve(trace: Trace, mcfg) -> dict:
 
 def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
                  rng: jax.Array, curve: Curve, r_max: int, progress: bool = False) -> dict:
-  """Scores the batches with `inference.score` at every threshold of the curve.
+  """Scores the batches at every threshold of the curve, in the curve's semantics.
 
   The threshold is a traced argument: one compilation per policy (and batch shape).
   FLOPs are as executed (`executed_flops` of the engine's counts): 'flops' is what
-  the masked engine ran per position (every position runs the batch's deepest
-  token's loops and every check's readout); 'flops_active' is the work of active
-  tokens only (loops, readouts and head products while active, plus the final
-  readout), i.e. what an engine running active tokens only would execute.
+  the engine ran per position (parallel: every position runs the batch's deepest
+  token's loops and every check's readout; cached: each decode step runs its deepest
+  row's loops for every row); 'flops_active' is the work of active tokens only (loops,
+  readouts and head products while active, plus the final readout), i.e. what an
+  engine running active tokens only would execute. Cached counts cover positions
+  1..L-1 (position 0 is prefilled).
   """
   _check_fp32(model)
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
-  run = functools.partial(_policy_run, policy=policy, min_loops=min_loops, r_max=r_max)
+  run = functools.partial(_RUNS[Semantics(curve.semantics)], policy=policy,
+                          min_loops=min_loops, r_max=r_max)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
                          'mean_core_passes', 'mean_readouts', 'share_max_depth')}
@@ -280,20 +302,22 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
         nll.append(n)
         counts.append(c)
       cat = lambda name: np.concatenate([getattr(c, name) for c in counts])
-      per_pos = lambda name: np.concatenate([np.full(c.depth.shape, getattr(c, name), np.float64)
-                                             for c in counts])
+      # batch passes broadcast to the positions they ran for (the last t of each row)
+      per_pos = lambda name: np.concatenate([np.broadcast_to(
+          np.asarray(getattr(c, name), np.float64), c.coda.shape) for c in counts])
       nll, depth = np.concatenate(nll), cat('depth')
+      t = counts[0].coda.shape[1]
+      ones = np.ones_like(mask[:, -t:])  # the engine runs every position, padding included
       out['threshold'].append(float(eps))
       out['mean_loops'].append(_masked_mean(depth, mask))
       out['loss'].append(_masked_mean(nll, mask))
-      ones = np.ones_like(mask)  # the masked engine runs every position, padding included
       out['flops'].append(_masked_mean(executed_flops(
           model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),
           seq_len), ones))
       out['flops_active'].append(_masked_mean(executed_flops(
-          model.cfg, depth, cat('coda'), cat('head'), seq_len), mask))
+          model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len), mask[:, -t:]))
       out['mean_core_passes'].append(_masked_mean(per_pos('core_passes'), ones))
-      out['mean_readouts'].append(_masked_mean(cat('coda'), mask))
+      out['mean_readouts'].append(_masked_mean(cat('coda'), mask[:, -t:]))
       out['share_max_depth'].append(_masked_mean(depth == r_max, mask))
   out['policy'] = policy
   return out
@@ -355,6 +379,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           router: Optional[policies.Router] = None,
           router_grid: Optional[Sequence[float]] = None,
           extra_curves: Optional[Mapping[str, Curve]] = None,
+          semantics: Sequence[str] = ('parallel',),
           trace: Optional[Trace] = None, progress: bool = False) -> dict:
   """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
 
@@ -367,6 +392,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     state_delta_grid: thresholds of 'state_delta' (default 1e-4..1).
     router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
     extra_curves: {name: Curve} scored the same way (e.g. later probes).
+    semantics: Semantics values; every curve is scored in each ('cached' curves are
+      named '<curve>@cached'; A0 stays the parallel uniform-depth run).
     trace: a precomputed trace of the same batches and rng (else computed here).
     progress: tqdm bars.
   """
@@ -382,6 +409,9 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     specs['router'] = Curve('router', router_grid or [float(x) for x in
                                                       np.linspace(0.05, 0.95, 10)], router)
   specs.update(extra_curves or {})
+  sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
+  specs = {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)
+           for sem in sems for n, c in specs.items()}
   if trace is None:
     trace = trace_batches(model, batches, r_max, rng, progress)
   a0 = uniform_curve(trace, model.cfg)

@@ -26,6 +26,12 @@ class ExitPolicy(str, enum.Enum):
   ROUTER = 'router'            # A2: linear probe P(change) < eps
 
 
+class Semantics(str, enum.Enum):
+  """How teacher-forced quality is measured (inference.py's two semantics)."""
+  PARALLEL = 'parallel'  # inference.score: all positions together
+  CACHED = 'cached'      # inference.score_cached: token by token through decode_step
+
+
 class NanPolicy(str, enum.Enum):
   """What the training loop does on a non-finite loss or gradient."""
   STOP = 'stop'

@@ -281,23 +281,28 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
 
 
 def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, rng,
-                 router=None):
+                 router=None, with_counts: bool = False):
   """Teacher-forced scoring in cached semantics: prefill the prompt, then one token at a time.
 
-  Returns logits [B, L - prompt_len + 1, V] predicting tokens prompt_len.. and the
-  depths [B, L - prompt_len] of tokens prompt_len.. (the prompt's own depths first).
+  Returns (logits, depth, prompt depth[, counts]): logits [B, L - prompt_len, V]
+  predicting tokens prompt_len..L-1, the depths [B, L - prompt_len] of tokens
+  prompt_len..L-1, the prompt's depths [B, prompt_len] and, with with_counts, the decode
+  steps' Counts stacked over tokens (batch passes [T], per-token arrays [B, T]).
   """
   l = tokens_BxL.shape[1]
   cache, last, pdepth = prefill(model, tokens_BxL[:, :prompt_len], cfg, rng, l, router)
 
   def body(cache, t):
     tok = lax.dynamic_index_in_dim(tokens_BxL, t, 1, keepdims=False)
-    logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router)
-    return cache, (logits, d)
+    logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True)
+    return cache, (logits, d, n)
 
-  _, (logits, depth) = lax.scan(body, cache, jnp.arange(prompt_len, l))
+  _, (logits, depth, n) = lax.scan(body, cache, jnp.arange(prompt_len, l))
   logits = jnp.concatenate([last[None], logits[:-1]], 0) if l > prompt_len else last[None]
-  return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(depth, 0, 1), pdepth
+  out = jnp.swapaxes(logits, 0, 1), jnp.swapaxes(depth, 0, 1), pdepth
+  per_token = lambda x: jnp.swapaxes(x[..., 0], 0, 1)  # [T, B, 1] -> [B, T]
+  n = n._replace(depth=per_token(n.depth), coda=per_token(n.coda), head=per_token(n.head))
+  return out + (n,) if with_counts else out
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,

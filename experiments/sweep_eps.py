@@ -19,6 +19,7 @@ from absl import app, flags
 
 from elastic_depth import analysis, reports
 from elastic_depth import router as router_lib
+from elastic_depth.config import Semantics
 from experiments import common
 
 
@@ -32,6 +33,7 @@ class SweepOptions:
   state_delta_grid: Optional[list[float]] = None
   router: bool = False                            # add the A2 curve from router.json
   router_grid: Optional[list[float]] = None
+  semantics: tuple[str, ...] = ('parallel',)      # parallel (score), cached (decode_step)
 
 
 EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-separated '
@@ -44,6 +46,9 @@ ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/rou
                            '(python -m experiments.train_router).')
 ROUTER_GRID = flags.DEFINE_list('router_grid', None, 'A2 thresholds on P(change) (default '
                                 '10 points 0.05..0.95).')
+SEMANTICS = flags.DEFINE_list('semantics', list(SweepOptions.semantics), 'Scoring '
+                              'semantics of the curves: parallel (inference.score), cached '
+                              '(token by token through decode_step; curves named <curve>@cached).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -54,11 +59,15 @@ def options_from_flags() -> SweepOptions:
                       curves=tuple(CURVES.value), router=ROUTER.value,
                       state_delta_grid=common.floats(STATE_DELTA_GRID.value,
                                                      'state_delta_grid'),
-                      router_grid=common.floats(ROUTER_GRID.value, 'router_grid'))
+                      router_grid=common.floats(ROUTER_GRID.value, 'router_grid'),
+                      semantics=tuple(SEMANTICS.value))
 
 
 def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   """Loads the workdir, runs A0 and the exit curves and writes the report."""
+  bad = sorted(set(x.semantics) - {s.value for s in Semantics})
+  if bad:
+    raise common.SetupError(f'--semantics: unknown {bad}; choose from parallel, cached')
   ld = common.load(opts)
   probe = None
   if x.router:
@@ -70,7 +79,8 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
-                       router=probe, router_grid=x.router_grid, progress=opts.progress)
+                       router=probe, router_grid=x.router_grid, semantics=x.semantics,
+                       progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=info,

@@ -225,3 +225,26 @@ def test_sweep_wires_curves_and_headlines(setup):
   assert res['a0']['loss'] == analysis.elasticity(trace)['loss']
   with pytest.raises(ValueError, match='unknown curve'):
     analysis.sweep(mdl, batches, rng, R, 3, curves=('nope',), trace=trace)
+
+
+def test_cached_semantics_curve(setup):
+  """Token by token through decode_step: everyone exits at the first check (loop 2)."""
+  mdl, batches, rng, _ = setup
+  c = analysis.policy_curve(mdl, batches, rng,
+                            analysis.Curve('kl', [1e9], semantics='cached'), R)
+  assert c['mean_loops'] == [2] and c['mean_core_passes'] == [2]
+  # the paired check reads loops 1 and 2 (two readouts) and its logits are the output
+  f = model_lib.flops_per_token(mdl.cfg, 0, L)
+  assert c['flops_active'][0] == pytest.approx(f['prelude'] + 2 * f['loop'] + 2 * f['coda_head'])
+  cfg = config.ExitConfig(policy='kl', eps=1e9, max_loops=R)
+  nll, mask = [], []
+  for k, b in enumerate(batches):
+    toks = jnp.concatenate([jnp.asarray(b['inputs']), jnp.asarray(b['targets'])[:, -1:]], 1)
+    with jax.default_matmul_precision('highest'):
+      logits, _, _ = inference.score_cached(mdl, toks, 1, cfg, analysis.batch_key(rng, k))
+    nll.append(np.asarray(losses.nll(logits, jnp.asarray(b['targets']))))
+    mask.append(b['mask'])
+  nll, mask = np.concatenate(nll), np.concatenate(mask)
+  np.testing.assert_allclose(c['loss'][0], np.sum(nll * mask) / np.sum(mask), rtol=1e-5)
+  with pytest.raises(ValueError, match='sideways'):
+    analysis.sweep(mdl, batches, rng, R, 2, semantics=('sideways',), curves=())
