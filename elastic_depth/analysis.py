@@ -27,8 +27,6 @@ from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
 DEFAULT_DELTA = 0.01  # nats/token: the tolerance of 'matches quality'
 
-KL_POLICIES = (ExitPolicy.KL.value, ExitPolicy.REVERSE_KL.value)
-
 
 def default_grid(lo: float = 1e-6, hi: float = 1.0, n: int = 13) -> list[float]:
   """Log-spaced thresholds lo..hi (default: 1e-6..1, two points per decade)."""
@@ -84,24 +82,24 @@ def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
 
 
 def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
-                   min_loops: int, r_max: int):
+                   min_loops: int, r_max: int, gate: float = 0.0):
   """(NLL_BxL, inference.Counts) under an exit policy (what policy_curve jits; eps is traced)."""
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                   max_loops=r_max, check_every=1)
+                   max_loops=r_max, check_every=1, gate=gate)
   res = inference.score(model, inputs_BxL, cfg, key, router=router)
   return losses.nll(res.logits, targets_BxL), res.counts
 
 
 _trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
 def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
-                   min_loops: int, r_max: int):
+                   min_loops: int, r_max: int, gate: float = 0.0):
   """policy_outputs in cached semantics: token 0 prefilled, then decode_step per token.
 
   Counts cover the decoded positions 1..L-1 (batch passes: [L-1], per token [B, L-1]);
   `depth` covers every position.
   """
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                   max_loops=r_max, check_every=1)
+                   max_loops=r_max, check_every=1, gate=gate)
   toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
   logits, depth, depth0, n = inference.score_cached(model, toks, 1, cfg, key, router,
                                                     with_counts=True)
@@ -109,7 +107,7 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: 
   return losses.nll(logits, targets_BxL), n._replace(depth=jnp.concatenate([depth0, n.depth], 1))
 
 
-_statics = ('policy', 'min_loops', 'r_max')
+_statics = ('policy', 'min_loops', 'r_max', 'gate')
 _RUNS = {Semantics.PARALLEL: nnx.jit(policy_outputs, static_argnames=_statics),
          Semantics.CACHED: nnx.jit(cached_outputs, static_argnames=_statics)}
 
@@ -246,6 +244,7 @@ class Curve(NamedTuple):
   router: Optional[policies.Router] = None
   min_loops: int = 1
   semantics: Semantics = Semantics.PARALLEL
+  gate: float = 0.0  # gated_kl's state-change gate
 
 
 def executed_flops(mcfg, core, coda, head, seq_len: int):
@@ -286,7 +285,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   _check_fp32(model)
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
   run = functools.partial(_RUNS[Semantics(curve.semantics)], policy=policy,
-                          min_loops=min_loops, r_max=r_max)
+                          min_loops=min_loops, r_max=r_max, gate=float(curve.gate))
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
                          'mean_core_passes', 'mean_readouts', 'share_max_depth')}
@@ -379,7 +378,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           router: Optional[policies.Router] = None,
           router_grid: Optional[Sequence[float]] = None,
           extra_curves: Optional[Mapping[str, Curve]] = None,
-          semantics: Sequence[str] = ('parallel',),
+          semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
           trace: Optional[Trace] = None, progress: bool = False) -> dict:
   """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
 
@@ -388,34 +387,36 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     ref_depth: training-mean depth (the A0 reference).
     eps_grid: thresholds of the KL curves (default: default_grid()).
     delta: loss tolerance of the headline, nats/token.
-    curves: built-in curves among 'kl' (A1), 'reverse_kl', 'state_delta'.
+    curves: built-in curves among 'kl' (A1), 'gated_kl', 'reverse_kl', 'state_delta'.
     state_delta_grid: thresholds of 'state_delta' (default 1e-4..1).
     router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
     extra_curves: {name: Curve} scored the same way (e.g. later probes).
     semantics: Semantics values; every curve is scored in each ('cached' curves are
       named '<curve>@cached'; A0 stays the parallel uniform-depth run).
+    gate: gated_kl's gate (default: the median relative state change at loop 2).
     trace: a precomputed trace of the same batches and rng (else computed here).
     progress: tqdm bars.
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
-  grids = {'kl': eps_grid, 'reverse_kl': eps_grid,
+  grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
            'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
-  specs = {}
   for c in curves:
     if c not in grids:
       raise ValueError(f'unknown curve {c!r}; built-in curves: {sorted(grids)}')
-    specs[c] = Curve(c, grids[c])
+  sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
+  if trace is None:
+    trace = trace_batches(model, batches, r_max, rng, progress)
+  if gate is None:
+    gate = float(np.median(trace.stats['delta'][min(1, r_max - 1)][trace.mask > 0]))
+  specs = {c: Curve(c, grids[c], gate=gate) for c in curves}
   if router is not None:
     specs['router'] = Curve('router', router_grid or [float(x) for x in
                                                       np.linspace(0.05, 0.95, 10)], router)
   specs.update(extra_curves or {})
-  sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
   specs = {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)
            for sem in sems for n, c in specs.items()}
-  if trace is None:
-    trace = trace_batches(model, batches, r_max, rng, progress)
   a0 = uniform_curve(trace, model.cfg)
-  out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta),
+  out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta), 'gate': gate,
          'tokens': int((trace.mask > 0).sum()), 'a0': a0, 'curves': {}, 'headline': {}}
   for name, spec in specs.items():
     pts = policy_curve(model, batches, rng, spec, r_max, progress)

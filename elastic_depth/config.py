@@ -21,6 +21,7 @@ class ExitPolicy(str, enum.Enum):
   """Per-token exit criteria (see policies.py)."""
   UNIFORM = 'uniform'          # A0: fixed depth
   KL = 'kl'                    # A1: KL(p_i || p_{i-1}) < eps
+  GATED_KL = 'gated_kl'        # A1 where the relative state change < exit.gate
   REVERSE_KL = 'reverse_kl'    # KL(p_{i-1} || p_i) < eps
   STATE_DELTA = 'state_delta'  # ||s_i - s_{i-1}|| / ||s_i|| < eps
   ROUTER = 'router'            # A2: linear probe P(change) < eps
@@ -145,7 +146,7 @@ class ExitConfig:
   min_loops: int = 1
   max_loops: int = 32
   check_every: int = 1
-  gate: float = 0.0          # decode: run the KL check only when the relative state
+  gate: float = 0.0          # gated_kl: consult the KL only where the relative state
                              # change is below this (0: check every eligible loop)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
 

@@ -109,7 +109,7 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
-        min_loops=cfg.min_loops, check_every=cfg.check_every)
+        min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate)
     res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                                 min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
                                 check_every=cfg.check_every, trace=trace, return_check=True)
@@ -187,7 +187,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
-  relative state change is below cfg.gate (when cfg.gate > 0), and the logits of a
+  relative state change is below cfg.gate (policy gated_kl), and the logits of a
   successful check are the token's output, so the final readout costs nothing extra.
   """
   tok = token_B[:, None]
@@ -203,7 +203,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   def readout(s):
     return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
 
-  fast = cfg.policy == ExitPolicy.KL and router is None
+  fast = cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None
   if fast:
     check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
   else:
@@ -253,7 +253,8 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     logits_c, kv_c, fresh, books = carry
     delta = policies.relative_change(s_new, s_old)[:, 0]
     may = (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
-    gate = delta < cfg.gate if cfg.gate > 0 else jnp.ones_like(delta, bool)
+    gated = cfg.policy == ExitPolicy.GATED_KL
+    gate = delta < cfg.gate if gated else jnp.ones_like(delta, bool)
     run = jnp.any(active_Bx1[:, 0] & gate) & may
 
     def full(_):

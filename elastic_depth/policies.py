@@ -108,7 +108,8 @@ def _flat(x):
 def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None,
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
-                  trace: bool = False, min_loops: int = 1, check_every: int = 1):
+                  trace: bool = False, min_loops: int = 1, check_every: int = 1,
+                  gate: float = 0.0):
   """Builds (check_fn, carry0_fn) for `recurrence.early_exit`.
 
   KL criteria run a readout only at the loops whose p_i a check reads (check loops
@@ -127,11 +128,12 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     use_kernel: fused Pallas KL on GPU (not with trace).
     trace: compute KL, reverse KL, state change, argmax (and NLL) at every loop.
     min_loops, check_every: the engine's check schedule (checks at loops >= 2 only).
+    gate: gated_kl exits only where the relative state change is below it.
   Returns:
     check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
   policy = ExitPolicy(policy)
-  needs_head = trace or policy in (ExitPolicy.KL, ExitPolicy.REVERSE_KL)
+  needs_head = trace or policy in (ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.REVERSE_KL)
   kernel = needs_head and not trace and kl_halting.kernel_active(use_kernel)
   first_check = max(min_loops, 2)
 
@@ -202,6 +204,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     exit_map = {
         ExitPolicy.UNIFORM: lambda: jnp.zeros_like(stats['delta'], bool),
         ExitPolicy.KL: lambda: (stats['kl'] < eps) & ~first,
+        ExitPolicy.GATED_KL: lambda: (stats['kl'] < eps) & (stats['delta'] < gate) & ~first,
         ExitPolicy.REVERSE_KL: lambda: (stats['rkl'] < eps) & ~first,
         ExitPolicy.STATE_DELTA: lambda: (stats['delta'] < eps) & ~first,
         ExitPolicy.ROUTER: lambda: stats['p_change'] < eps,

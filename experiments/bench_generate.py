@@ -92,7 +92,7 @@ def bench_shape(name: str) -> dict:
       'a0_r8': config.ExitConfig(policy='uniform', depth=8),
       'a1_worst': config.ExitConfig(policy='kl', eps=1e-30, max_loops=8),
       'a1_eps': config.ExitConfig(policy='kl', eps=eps, max_loops=32),
-      'a1_gated': config.ExitConfig(policy='kl', eps=eps, max_loops=32, gate=gate),
+      'a1_gated': config.ExitConfig(policy='gated_kl', eps=eps, max_loops=32, gate=gate),
   }
   rows = {}
   for key, ecfg in variants.items():

@@ -41,6 +41,7 @@ EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-sepa
 DELTA = flags.DEFINE_float('delta', SweepOptions.delta, 'Loss tolerance (nats/token) of the '
                            'headline.')
 CURVES = flags.DEFINE_list('curves', list(SweepOptions.curves), 'Exit curves: kl (A1), '
+                           'gated_kl (A1 where the state change < the median at loop 2), '
                            'reverse_kl, state_delta.')
 ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
                            '(python -m experiments.train_router).')

@@ -173,12 +173,15 @@ def test_trace_nll_equals_uniform_depth_losses(setup):
     np.testing.assert_allclose(np.asarray(tr['nll'][d - 1]), np.asarray(ref), atol=1e-5)
 
 
-def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng):
-  """Cached semantics per token: earlier tokens offer their last-loop kv in every block."""
+def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None):
+  """Cached semantics per token: earlier tokens offer their last-loop kv in every block.
+
+  With a gate (policy gated_kl) a token exits only where also ||s_i - s_{i-1}|| / ||s_i|| < gate.
+  """
   b, l = toks.shape
-  cache, _, _ = inference.prefill(mdl, toks[:, :prompt_len],
-                                  config.ExitConfig(policy='kl', eps=eps,
-                                                    max_loops=max_loops), rng, prompt_len)
+  cfg = config.ExitConfig(policy='kl' if gate is None else 'gated_kl', eps=eps,
+                          max_loops=max_loops, gate=gate or 0.0)
+  cache, _, _ = inference.prefill(mdl, toks[:, :prompt_len], cfg, rng, prompt_len)
   pre = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
          for c in cache.prelude]
   core = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
@@ -211,11 +214,14 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng):
     d = 0
     for i in range(1, max_loops + 1):
       x = jnp.einsum('BLC,CD->BLD', jnp.concatenate([s, e], -1), mdl.adapter_2DxD[...])
+      s_old = np.asarray(s, np.float64)
       s, last_kv = run(mdl.core, core, x, p, False)
       d = i
       h = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
       kl = _kl_np(h[:, 0], h_prev[:, 0], w)[0]
-      if i >= 2 and kl < eps:
+      sn = np.asarray(s, np.float64)
+      delta = np.linalg.norm(sn - s_old) / np.linalg.norm(sn)
+      if i >= 2 and kl < eps and (gate is None or delta < gate):
         break
       h_prev = h
     for j, kv in enumerate(last_kv):
@@ -343,3 +349,25 @@ def test_cached_scoring_starts_from_the_parallel_initial_states(setup):
   # cached logits k predict token 3 + k: parallel outputs at positions 2..L-2
   np.testing.assert_allclose(np.asarray(cached), np.asarray(par[:, 2:-1]), atol=1e-5,
                              rtol=1e-5)
+
+
+def test_gated_check_matches_brute_force_in_cached_and_parallel_semantics():
+  """gated_kl: exit where KL < eps and the relative state change < gate, in both engines."""
+  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(11))
+  rng = jax.random.key(0)
+  toks = jnp.asarray([[3, 17, 5, 9, 30, 2, 44, 8, 12]], jnp.int32)
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
+  eps, gate = _safe_eps(list(np.asarray(tr['kl']))), _safe_eps(list(np.asarray(tr['delta'])))
+  cfg = config.ExitConfig(policy='gated_kl', eps=eps, max_loops=R, gate=gate)
+  logits, depth, _ = jax.jit(lambda t: inference.score_cached(mdl, t, 3, cfg, rng))(toks)
+  ref_logits, ref_depth = brute_cached(mdl, toks, 3, eps, R, rng, gate=gate)
+  np.testing.assert_array_equal(np.asarray(depth), ref_depth)
+  assert len(np.unique(ref_depth)) > 1
+  np.testing.assert_allclose(np.asarray(logits[:, 1:]), ref_logits[:, :-1], atol=1e-5, rtol=1e-5)
+  # parallel: until the first exit every state is the uniform run's, so the trace
+  # decides exactly which tokens exit at the first check (loop 2)
+  first = (np.asarray(tr['kl'][1]) < eps) & (np.asarray(tr['delta'][1]) < gate)
+  par = np.asarray(inference.score(mdl, toks, cfg, rng).depth)
+  np.testing.assert_array_equal(par == 2, first)
+  assert first.any() and not first.all()
