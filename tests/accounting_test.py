@@ -153,3 +153,25 @@ def test_decode_counts_match_executed_work(mdl, events, policy, gate):
       end = events.index(('end', 0))
       assert all(w == 2 for k, w in events[:end] if k in ('coda', 'head'))
   assert len(seen) > 1
+
+
+@pytest.mark.parametrize('policy', ['kl', 'reverse_kl'])
+def test_kernel_path_carries_the_hidden_state_and_counts_two_head_products(
+    mdl, events, monkeypatch, policy):
+  """The fused-kernel branch (emulated on CPU by the reference): same exits, 2 heads a check."""
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 40, (B, L)), jnp.int32)
+  rng = jax.random.key(0)
+  cfg = exit_cfg(policy, 1e-3)
+  plain = inference.score(mdl, toks, cfg, rng)
+  monkeypatch.setattr(kl_halting, 'kernel_active', lambda use: use)
+  monkeypatch.setattr(kl_halting, 'kl_halting_auto',
+                      lambda h, hp, w, use_kernel=True: kl_halting.reference_kl_halting(h, hp, w))
+  jax.effects_barrier()
+  events.clear()
+  res = inference.score(mdl, toks, exit_cfg(policy, 1e-3, use_kernel=True), rng)
+  jax.effects_barrier()
+  depth = np.asarray(res.depth)
+  np.testing.assert_array_equal(depth, np.asarray(plain.depth))
+  assert_counts(res.counts, list(events), depth)
+  checks = len([i for i in (3, 6, 9) if i <= depth.max()])
+  assert int(res.counts.head_passes) == 2 * checks + 1
