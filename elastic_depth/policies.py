@@ -160,6 +160,17 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     none = {'kl': inf, 'rkl': inf, 'argmax': jnp.zeros(shape, jnp.int32),
             'lse': jnp.zeros(shape, jnp.float32), 'logit_t': jnp.zeros(shape, jnp.float32)}
 
+    def logit_stats(a, prev):  # from the carried logits: no head product
+      st = dict(none)
+      if trace or policy != ExitPolicy.REVERSE_KL:
+        kl, am, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(prev))
+        st.update(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape))
+      if trace or policy == ExitPolicy.REVERSE_KL:
+        st['rkl'] = kl_halting.reference_kl_from_logits(_flat(prev), _flat(a))[0].reshape(shape)
+      if trace and targets_BxL is not None:
+        st['logit_t'] = jnp.take_along_axis(a, targets_BxL[..., None], -1)[..., 0]
+      return st
+
     def kernel_kl(h, h_old):
       hn, ho = (_flat(h), _flat(h_old))
       if policy == ExitPolicy.REVERSE_KL:
@@ -175,13 +186,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
             head=c.head + 2 * is_check(i), head_BxL=c.head_BxL
             + 2 * (active & is_check(i)).astype(jnp.int32))
       a = _flat_logits(h, w_VxD)
-      kl, am, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(c.prev))
-      st = dict(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape),
-                rkl=none['rkl'], logit_t=none['logit_t'])
-      if trace or policy == ExitPolicy.REVERSE_KL:
-        st['rkl'] = kl_halting.reference_kl_from_logits(_flat(c.prev), _flat(a))[0].reshape(shape)
-      if trace and targets_BxL is not None:
-        st['logit_t'] = jnp.take_along_axis(a, targets_BxL[..., None], -1)[..., 0]
+      st = (logit_stats(a, c.prev) if trace else
+            lax.cond(is_check(i), lambda: logit_stats(a, c.prev), lambda: none))
       return st, _counted(c, a, active, 1, 1)
 
     if trace:
