@@ -361,7 +361,7 @@ def headline(a0: dict, curve: dict, ref_depth: float, delta: float = DEFAULT_DEL
         'index': i, 'threshold': curve['threshold'][i], 'mean_loops': float(ml[i]),
         'loss': float(loss[i]), 'flops': float(fl[i]),
         'loop_saving': float(1.0 - ml[i] / ref_depth),
-        'flops_saving': float(1.0 - fl[i] / ref_flops),  # as the masked engine executed
+        'flops_saving': float(1.0 - fl[i] / ref_flops),  # as the engine executed
         'flops_active_saving': (float(1.0 - curve['flops_active'][i] / ref_flops)
                                 if 'flops_active' in curve else None),
         'a0_loss_same_loops': float(a0_same_loops[i]),

@@ -155,7 +155,7 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
                  b.get('a0_loss_same_loops'),
                  b.get('gap_same_loops'), h['uniform_depth_within_delta']])
   md += table(['policy', 'A0 loss @ref', 'eps', 'mean loops', 'loss', 'loop saving',
-               'FLOP saving (masked, executed)', 'FLOP saving (active tokens, executed)',
+               'FLOP saving (engine as run)', 'FLOP saving (active tokens, executed)',
                'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
               rows)
   a0 = res['a0']

@@ -96,7 +96,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
       print(f"{name}: eps={b['threshold']:.3g} -> {b['mean_loops']:.2f} mean loops "
             f"(loss {b['loss']:.4f} vs {h['ref_loss']:.4f} at depth {h['ref_depth']:g}; "
             f"{100 * b['loop_saving']:.1f}% fewer loops; FLOPs as executed: "
-            f"{100 * b['flops_saving']:.1f}% fewer (masked engine), "
+            f"{100 * b['flops_saving']:.1f}% fewer (the engine as run), "
             f"{100 * b['flops_active_saving']:.1f}% fewer (active tokens only)); uniform depth at the same mean loops: {b['a0_loss_same_loops']:.4f}"
             f" (gap {b['gap_same_loops']:+.4f})")
   print(f"report {paths['md']}")
