@@ -17,7 +17,6 @@ Fault model (see docs_faults.md):
 
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from elastic_depth.config import Config, ModelConfig
+from elastic_depth.data.tokenizer import tokenizer_info
 
 CORRUPT_DIR = 'corrupt_checkpoints'
 
@@ -74,19 +74,6 @@ def state_checksum(state: Any) -> Optional[str]:
     crc = zlib.crc32(f'{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape};'.encode(), crc)
     crc = zlib.crc32(a.view(np.uint8).reshape(-1) if a.size else b'', crc)
   return f'{crc:08x}'
-
-
-def tokenizer_info(tok) -> dict:
-  """vocab_size, eos_id and a SHA-256 fingerprint of the token -> id table."""
-  if hasattr(tok, 'tok'):  # HFTokenizer
-    table = sorted(tok.tok.get_vocab(with_added_tokens=True).items())
-  elif hasattr(tok, 'tokens'):  # SyntheticVocab
-    table = list(enumerate(tok.tokens))
-  else:
-    table = [tok.vocab_size]
-  digest = hashlib.sha256(json.dumps(table).encode('utf-8')).hexdigest()[:16]
-  return {'vocab_size': int(tok.vocab_size), 'eos_id': int(tok.eos_id), 'fingerprint': digest,
-          'origin': str(getattr(tok, 'origin', 'synthetic vocabulary'))}
 
 
 def check_tokenizer(saved: Optional[dict], tok, where: str) -> None:

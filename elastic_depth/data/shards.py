@@ -229,13 +229,12 @@ def _tokenizer(cfg, out: pathlib.Path, vocab_size: int, tokenizer_docs: int):
 
 def _new_index(cfg, origin: str, tok, vocab_size: int, shard_tokens: int) -> dict:
   """Index of an empty prepared directory."""
-  from elastic_depth.checkpoint import tokenizer_info  # pylint: disable=g-import-not-at-top
   val_shard = max(1, int(shard_tokens * min(1.0, 2 * cfg.val_fraction)))
   return {
       'format': FORMAT, 'complete': False, 'origin': origin,
       'source': {k: getattr(cfg, k) for k in SOURCE_FIELDS},
       'tokenizer': {'spec': cfg.tokenizer, 'file': tokenizer_lib.TOKENIZER_FILE,
-                    **tokenizer_info(tok)},
+                    **tokenizer_lib.tokenizer_info(tok)},
       'model_vocab_size': vocab_size, 'dtype': dtype_for(tok.vocab_size),
       'shard_tokens': {'train': shard_tokens, 'val': val_shard},
       'resume': {'doc': 0, 'tokens': {s: 0 for s in SPLITS}},

@@ -79,12 +79,11 @@ def open_index(directory) -> dict:
 
 def load_tokenizer(directory, index: dict, vocab_size: int) -> tokenizer_lib.HFTokenizer:
   """The directory's tokenizer.json, checked against the index fingerprint and the model."""
-  from elastic_depth.checkpoint import tokenizer_info  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(directory) / index['tokenizer']['file']
   if not path.is_file():
     raise DataError(f'data.source=tokens: {path} is missing; prepare the directory again')
   tok = tokenizer_lib.get(str(path), [], vocab_size)
-  if tokenizer_info(tok)['fingerprint'] != index['tokenizer']['fingerprint']:
+  if tokenizer_lib.tokenizer_info(tok)['fingerprint'] != index['tokenizer']['fingerprint']:
     raise DataError(f'data.source=tokens: {path} is not the tokenizer the shards were '
                     'written with (fingerprint differs); prepare the directory again')
   return tok
