@@ -4,6 +4,7 @@ Memory does not grow with the corpus: a window is two slices of memory-mapped fi
 grain shuffles window indices lazily; only pages that batches touch are ever read.
 """
 
+import mmap
 import pathlib
 import shutil
 
@@ -41,7 +42,11 @@ class ShardWindows(pipeline.Windows):
 
   def _map(self, k: int) -> np.ndarray:
     if self._maps[k] is None:
-      self._maps[k] = np.memmap(self.directory / self.files[k], self.dtype, mode='r')
+      m = np.memmap(self.directory / self.files[k], self.dtype, mode='r')
+      if hasattr(mmap, 'MADV_RANDOM') and getattr(m, '_mmap', None) is not None:
+        m._mmap.madvise(mmap.MADV_RANDOM)  # pylint: disable=protected-access (no readahead:
+        # windows are read at random, and readahead would map ~128 KiB per 4 KiB window)
+      self._maps[k] = m
     return self._maps[k]
 
   def tokens(self, start: int, stop: int) -> np.ndarray:
