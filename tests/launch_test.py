@@ -1,5 +1,6 @@
 """Every launch/*.flags file parses into a valid Config and builds its model abstractly."""
 
+import dataclasses
 import glob
 import os
 import sys
@@ -16,16 +17,25 @@ FILES = sorted(glob.glob(os.path.join(REPO, 'launch', '*.flags')))
 
 
 def parse(argv):
-  """Parses argv into a fresh FlagValues holding only --config (as pretrain defines it)."""
-  argv = flags_util.dedupe_config_overrides(argv)
-  old, sys.argv = sys.argv, argv  # config_flags registers overrides found in sys.argv
+  """Parses argv into a fresh FlagValues holding only --config (as pretrain defines it).
+
+  Runs in the repository root, as the launch commands do: a nested --flagfile inside a
+  launch file names its path relative to it.
+  """
+  old_cwd = os.getcwd()
+  os.chdir(REPO)
   try:
-    fv = flags.FlagValues()
-    holder = config_flags.DEFINE_config_dataclass('config', config_lib.Config(), 'cfg',
-                                                  flag_values=fv)
-    fv(argv)
+    argv = flags_util.dedupe_config_overrides(argv)
+    old, sys.argv = sys.argv, argv  # config_flags registers overrides found in sys.argv
+    try:
+      fv = flags.FlagValues()
+      holder = config_flags.DEFINE_config_dataclass('config', config_lib.Config(), 'cfg',
+                                                    flag_values=fv)
+      fv(argv)
+    finally:
+      sys.argv = old
   finally:
-    sys.argv = old
+    os.chdir(old_cwd)
   return holder.value
 
 
@@ -54,6 +64,18 @@ def test_flagfile_parses_validates_and_builds(path):
     assert abs(n - 57.3e6) < 0.05e6  # tied head
     assert cfg.train.tokens_per_step == 2 ** 18
     assert cfg.depth.mean == (4 if 'mean4' in path else 8)
+    assert (cfg.data.source, cfg.data.paths) == ('tokens', 'data/fineweb-edu-10BT')
+    assert any('python -m experiments.prepare_data --flagfile=launch/135m.flags' in l
+               and '--config.data.source=hf' in l for l in header), 'the prepare command'
+
+
+def test_135m_mean4_is_the_base_file_plus_one_line():
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m.flags")}'])
+  path = os.path.join(REPO, 'launch', '135m_mean4.flags')
+  lines = [l for l in open(path, encoding='utf-8').read().splitlines() if l.startswith('--')]
+  assert lines == ['--flagfile=launch/135m.flags', '--config.depth.mean=4']
+  mean4 = parse(['prog', f'--flagfile={path}'])
+  assert mean4 == dataclasses.replace(base, depth=dataclasses.replace(base.depth, mean=4.0))
 
 
 def test_command_line_overrides_flagfile_tuples():
