@@ -6,6 +6,8 @@ Expanding flagfiles first and keeping only the last value of each --config.* fla
 restores the usual rule: the command line overrides the flagfile.
 """
 
+import sys
+
 from absl import flags
 
 
@@ -24,3 +26,19 @@ def dedupe_config_overrides(argv: list[str]) -> list[str]:
 def parse(argv: list[str]) -> list[str]:
   """A flags_parser for absl.app.run."""
   return flags.FLAGS(dedupe_config_overrides(argv))
+
+
+def fail(msg: str, code: int = 2):
+  """Prints a one-line `error: ...` on stderr and exits with `code`."""
+  print(f'error: {msg}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def parse_or_fail(argv: list[str]) -> list[str]:
+  """A flags_parser for absl.app.run: a one-line error (exit 2) instead of a usage dump."""
+  try:
+    return parse(argv)
+  except flags.Error as e:
+    fail(f'{e} (see --helpshort)')
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    fail(f'bad flag: {e}')

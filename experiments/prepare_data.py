@@ -15,8 +15,6 @@ shard; a directory started with another source or tokenizer is refused.
 Exit codes: 0 done; 2 a one-line `error: ...` on stderr.
 """
 
-import sys
-
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -25,9 +23,7 @@ from elastic_depth.data import DataError, shards
 from experiments import flags_util
 
 
-def _fail(msg: str):
-  print(f'error: {msg}', file=sys.stderr, flush=True)
-  sys.exit(2)
+_fail = flags_util.fail
 
 
 try:
@@ -44,16 +40,6 @@ _TOKENIZER_DOCS = flags.DEFINE_integer('tokenizer_docs', 20_000, 'Documents a `t
 _RESUME = flags.DEFINE_bool('resume', False, 'Require a partial --out to continue (a rerun '
                             'into the same --out continues anyway).')
 _QUIET = flags.DEFINE_bool('quiet', False, 'No progress bar.')
-
-
-def parse_flags(argv):
-  """absl flag parsing with a one-line error (exit 2) instead of a usage dump."""
-  try:
-    return flags.FLAGS(flags_util.dedupe_config_overrides(argv))
-  except flags.Error as e:
-    _fail(f'{e} (see --helpshort)')
-  except (KeyError, AttributeError, TypeError, ValueError) as e:
-    _fail(f'bad flag: {e}')
 
 
 def summary(index: dict) -> str:
@@ -86,4 +72,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -71,6 +72,16 @@ def test_shards_hold_every_document_then_eos_in_order(tmp_path):
   assert index['tokenizer']['fingerprint'] == tokenizer_info(tok)['fingerprint']
 
 
+def test_hf_stream_is_prepared_whole(tmp_path, monkeypatch):
+  rows = [{'text': f' row {i} '} for i in range(300)] + [{'text': '  '}]
+  monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(
+      load_dataset=lambda name, config, split, streaming: iter(rows)))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: True)
+  index = prepare(DataConfig(source='hf', hf_name='a/b', tokenizer='train'), tmp_path / 'hf')
+  assert index['origin'] == 'hf:a/b'
+  assert index['splits']['train']['docs'] + index['splits']['val']['docs'] == 300
+
+
 def test_split_is_seeded_and_stable():
   idx = np.arange(100_000)
   a, b = shards.is_val(0, idx, 0.05), shards.is_val(1, idx, 0.05)
@@ -98,6 +109,10 @@ def test_crash_between_shard_and_index_then_rerun_is_byte_identical(tmp_path, mo
   monkeypatch.setattr(shards.Writer, 'commit', real)
   partial = json.loads((tmp_path / 'out' / 'index.json').read_text())
   assert not partial['complete']
+  other_tok = tmp_path / 'other.json'
+  tokenizer_lib.get('train', ['zz yy xx ww'] * 10, 290).save(other_tok)
+  with pytest.raises(DataError, match=r'other settings \(tokenizer.fingerprint'):
+    prepare(text_cfg(corpus, tokenizer=str(other_tok)), tmp_path / 'out')
   prepare(text_cfg(corpus), tmp_path / 'out', resume=True)
   assert shard_bytes(tmp_path / 'out') == shard_bytes(tmp_path / 'ref')
   ref_index = json.loads((tmp_path / 'ref' / 'index.json').read_text())

@@ -154,6 +154,16 @@ def test_hf_streams_rows(monkeypatch):
     sources.load(DataConfig(source='hf', hf_name='a/b'))
 
 
+def test_hf_max_docs_0_reads_every_document(monkeypatch):
+  n = 50_001  # one more than the silent cap (STREAM_DEFAULT_DOCS) there used to be
+  monkeypatch.setitem(sys.modules, 'datasets', fake_datasets([{'text': 'd'}] * n))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: True)
+  corpus = sources.load(DataConfig(source='hf', hf_name='a/b'))
+  assert len(corpus.train) + len(corpus.val) == n
+  corpus = sources.load(DataConfig(source='hf', hf_name='a/b', max_docs=7))
+  assert len(corpus.train) + len(corpus.val) == 7
+
+
 def test_tfds_not_prepared(tmp_path):
   cfg = DataConfig(source='tfds', tfds_name='tiny_shakespeare')
   cfg.tfds_data_dir = str(tmp_path)  # keyword default until DataConfig has the field
