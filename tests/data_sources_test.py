@@ -58,6 +58,20 @@ def test_txt_jsonl_parquet_list_and_split(tmp_path):
                                 DataConfig(text_field='body')) == ['five', 'six']
 
 
+@pytest.mark.parametrize('chunk', [1, 3, 7, 1 << 22])
+def test_txt_streamed_in_chunks_equals_split(tmp_path, monkeypatch, chunk):
+  text = ('héllo wörld<|endoftext|>\n  <|endoftext|>ünïcode 🙂 doc<|endoftext|>'
+          '<|endoftext|>last')
+  (tmp_path / 'a.txt').write_text(text, encoding='utf-8')
+  monkeypatch.setattr(sources, 'CHUNK_BYTES', chunk)
+  want = [d.strip() for d in text.split('<|endoftext|>') if d.strip()]
+  assert sources.read_documents(str(tmp_path / 'a.txt'), DataConfig()) == want
+  bad = text.encode('utf-8') + b'<|endoftext|>ok \xfe'
+  (tmp_path / 'b.txt').write_bytes(bad)
+  with pytest.raises(DataError, match=f'at byte offset {len(bad) - 1} \\(byte 0xfe\\)'):
+    sources.read_documents(str(tmp_path / 'b.txt'), DataConfig())
+
+
 def test_val_paths_and_directory(tmp_path):
   (tmp_path / 'train').mkdir()
   (tmp_path / 'train' / 'x.txt').write_text('a<|endoftext|>b<|endoftext|>c', encoding='utf-8')

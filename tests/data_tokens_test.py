@@ -48,7 +48,8 @@ def test_same_windows_as_the_in_memory_text_source(tmp_path):
     for i in range(len(a)):
       for k, v in a[i].items():
         np.testing.assert_array_equal(b[i][k], v, err_msg=f'{split} {i} {k}')
-  assert (got.stats['train_docs'], got.stats['val_docs']) == (120, 120)  # max_docs caps each of paths and val_paths
+  # max_docs caps each part: paths and val_paths
+  assert (got.stats['train_docs'], got.stats['val_docs']) == (120, 120)
   for a, b in zip(ref.val_batches(3), got.val_batches(3)):
     assert all(np.array_equal(a[k], b[k]) for k in a)
   assert 'at most 120 documents per part' in got.describe()

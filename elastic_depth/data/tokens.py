@@ -5,6 +5,7 @@ grain shuffles window indices lazily; only pages that batches touch are ever rea
 """
 
 import mmap
+import os
 import pathlib
 import shutil
 
@@ -110,9 +111,11 @@ def windows(cfg, vocab_size: int, workdir, seq_len: int):
           for s in shards.SPLITS}
   if workdir is not None:
     saved = pathlib.Path(workdir) / tokenizer_lib.TOKENIZER_FILE
-    if not saved.is_file():
+    if not saved.is_file():  # atomic: several processes may share the workdir
       saved.parent.mkdir(parents=True, exist_ok=True)
-      shutil.copyfile(directory / index['tokenizer']['file'], saved)
+      tmp = saved.with_name(f'.{saved.name}.{os.getpid()}.tmp')
+      shutil.copyfile(directory / index['tokenizer']['file'], tmp)
+      os.replace(tmp, saved)
   cap = index['source'].get('max_docs', 0)
   stats = {'train_docs': index['splits']['train']['docs'],
            'val_docs': index['splits']['val']['docs'],
