@@ -121,6 +121,8 @@ def test_errors(tmp_path):
   with pytest.raises(DataError, match='has no index.json'):
     pipeline.build(DataConfig(source='tokens', paths=str(tmp_path / 'empty')), **kw)
   cfg = synth_prepared(tmp_path / 's')
+  with pytest.raises(DataError, match=r'val split .* fewer than one sequence'):
+    pipeline.build(cfg, **{**kw, 'seq_len': 2000})
   with pytest.raises(DataError, match='larger than model.vocab_size=200'):
     pipeline.build(cfg, **{**kw, 'vocab_size': 200})
   index_path = tmp_path / 's' / 'index.json'

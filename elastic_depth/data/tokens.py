@@ -109,6 +109,11 @@ def windows(cfg, vocab_size: int, workdir, seq_len: int):
   tok.origin = f'{index["tokenizer"]["origin"]} (from {directory})'
   wins = {s: ShardWindows(directory, index['splits'][s]['shards'], index['dtype'], seq_len)
           for s in shards.SPLITS}
+  for s, w in wins.items():
+    if not len(w):
+      raise DataError(f'data.source=tokens: the {s} split of {directory} has {w.num_tokens} '
+                      f'tokens, fewer than one sequence (seq_len+1={seq_len + 1}); use a '
+                      'shorter train.seq_len or prepare more data')
   if workdir is not None:
     saved = pathlib.Path(workdir) / tokenizer_lib.TOKENIZER_FILE
     if not saved.is_file():  # atomic: several processes may share the workdir
