@@ -82,31 +82,12 @@ def test_hf_stream_is_prepared_whole(tmp_path, monkeypatch):
   assert index['splits']['train']['docs'] + index['splits']['val']['docs'] == 300
 
 
-def test_tfds_splits_are_kept(tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
-
-  class ElasticDepthPrepText(tfds.core.GeneratorBasedBuilder):
-    """Tiny local text dataset with a validation split."""
-    VERSION = tfds.core.Version('1.0.0')
-
-    def _info(self):
-      return tfds.core.DatasetInfo(
-          builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-      return {'train': self._generate_examples('t', 40),
-              'validation': self._generate_examples('v', 5)}
-
-    def _generate_examples(self, prefix, n):
-      for i in range(n):
-        yield i, {'text': f'{prefix} story {i}'}
-
-  ElasticDepthPrepText(data_dir=str(tmp_path), file_format='array_record').download_and_prepare()
-  cfg = DataConfig(source='tfds', tfds_name='elastic_depth_prep_text', tokenizer='train',
-                   tfds_data_dir=str(tmp_path))
+def test_tfds_splits_are_kept(tmp_path, tiny_tfds):
+  cfg = DataConfig(source='tfds', tfds_name=tiny_tfds[0], tfds_data_dir=tiny_tfds[1],
+                   tokenizer='train')
   index = prepare(cfg, tmp_path / 'out', shard_tokens=50)
   tok = tokenizer_lib.get(str(tmp_path / 'out' / 'tokenizer.json'), [], 300)
-  for split, prefix, n in (('train', 't', 40), ('val', 'v', 5)):
+  for split, prefix, n in (('train', 't', 12), ('val', 'v', 3)):
     ids = np.concatenate([np.fromfile(tmp_path / 'out' / s['file'], '<u2')
                           for s in index['splits'][split]['shards']])
     docs = [d for d in tok.decode(ids).split(tokenizer_lib.EOS) if d]

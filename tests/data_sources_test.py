@@ -189,28 +189,8 @@ def test_tfds_not_prepared(tmp_path):
     sources.load(DataConfig(source='tfds'))
 
 
-def test_tfds_local_array_record(tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
-
-  class ElasticDepthTinyText(tfds.core.GeneratorBasedBuilder):
-    """Tiny local text dataset."""
-    VERSION = tfds.core.Version('1.0.0')
-
-    def _info(self):
-      return tfds.core.DatasetInfo(
-          builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-      return {'train': self._generate_examples('t', 12),
-              'validation': self._generate_examples('v', 3)}
-
-    def _generate_examples(self, prefix, n):
-      for i in range(n):
-        yield i, {'text': f'{prefix} story {i}'}
-
-  ElasticDepthTinyText(data_dir=str(tmp_path), file_format='array_record').download_and_prepare()
-  cfg = DataConfig(source='tfds', tfds_name='elastic_depth_tiny_text')
-  cfg.tfds_data_dir = str(tmp_path)
+def test_tfds_local_array_record(tiny_tfds):
+  cfg = DataConfig(source='tfds', tfds_name=tiny_tfds[0], tfds_data_dir=tiny_tfds[1])
   corpus = sources.load(cfg)
   assert sorted(corpus.train) == sorted(f't story {i}' for i in range(12))
   assert sorted(corpus.val) == sorted(f'v story {i}' for i in range(3))
