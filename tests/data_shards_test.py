@@ -102,11 +102,14 @@ def test_split_is_seeded_and_stable():
   assert shards.dtype_for(65536) == 'uint16' and shards.dtype_for(65537) == 'uint32'
 
 
-@pytest.mark.parametrize('crash_after', [1, 4, 9])
+@pytest.mark.parametrize('crash_after', [1, 4, 9, -1, 0])
 def test_crash_between_shard_and_index_then_rerun_is_byte_identical(tmp_path, monkeypatch,
                                                                      crash_after):
   corpus = write_corpus(tmp_path / 'c.jsonl', 400)
-  prepare(text_cfg(corpus), tmp_path / 'ref')
+  ref = prepare(text_cfg(corpus), tmp_path / 'ref')
+  n_shards = sum(len(ref['splits'][s]['shards']) for s in shards.SPLITS)
+  if crash_after <= 0:  # -1: during the final flush (tails), 0: the last shard's commit
+    crash_after += n_shards
   real, calls = shards.Writer.commit, []
 
   def crashing_commit(self, complete=False):
