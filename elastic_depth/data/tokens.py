@@ -16,6 +16,11 @@ from elastic_depth.data import tokenizer as tokenizer_lib
 from elastic_depth.data.errors import DataError
 
 
+# Every this many reads the mapped pages are released: without it a process's RSS (its
+# file-backed part) grows by ~8 KiB per window read until it maps the whole corpus.
+RELEASE_EVERY = 1024
+
+
 class ShardWindows(pipeline.Windows):
   """Windows (same packing as pipeline.Windows) over the concatenated shards of one split."""
 
@@ -27,6 +32,7 @@ class ShardWindows(pipeline.Windows):
     self.dtype = np.dtype(dtype).newbyteorder('<')
     self.seq_len, self.answers_only = seq_len, False
     self._maps = [None] * len(self.files)
+    self._reads = 0
     for f, n in zip(self.files, sizes):
       size = (directory / f).stat().st_size if (directory / f).is_file() else -1
       if size != n * self.dtype.itemsize:
@@ -44,14 +50,23 @@ class ShardWindows(pipeline.Windows):
   def _map(self, k: int) -> np.ndarray:
     if self._maps[k] is None:
       m = np.memmap(self.directory / self.files[k], self.dtype, mode='r')
-      if hasattr(mmap, 'MADV_RANDOM') and getattr(m, '_mmap', None) is not None:
+      if hasattr(mmap, 'MADV_RANDOM'):
         m._mmap.madvise(mmap.MADV_RANDOM)  # pylint: disable=protected-access (no readahead:
         # windows are read at random, and readahead would map ~128 KiB per 4 KiB window)
       self._maps[k] = m
     return self._maps[k]
 
+  def _release(self) -> None:
+    """Unmaps the pages read so far (they stay in the page cache) so that RSS stays flat."""
+    for m in self._maps:
+      if m is not None and hasattr(mmap, 'MADV_DONTNEED'):
+        m._mmap.madvise(mmap.MADV_DONTNEED)  # pylint: disable=protected-access
+
   def tokens(self, start: int, stop: int) -> np.ndarray:
     """int32 ids of stream[start:stop], across shard boundaries."""
+    self._reads += 1
+    if self._reads % RELEASE_EVERY == 0:
+      self._release()
     stop = min(stop, self.num_tokens)
     k = int(np.searchsorted(self.starts, start, side='right')) - 1
     pieces = []
