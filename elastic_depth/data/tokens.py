@@ -1,7 +1,8 @@
 """data.source=tokens: training windows read from prepared shards (see shards.py) by np.memmap.
 
-Memory does not grow with the corpus: a window is two slices of memory-mapped files, and
-grain shuffles window indices lazily; only pages that batches touch are ever read.
+Memory does not grow with the corpus: a window is one or two slices of memory-mapped files,
+grain shuffles window indices lazily, and the pages read are unmapped again every
+RELEASE_EVERY reads (they stay in the page cache).
 """
 
 import mmap
@@ -50,9 +51,8 @@ class ShardWindows(pipeline.Windows):
   def _map(self, k: int) -> np.ndarray:
     if self._maps[k] is None:
       m = np.memmap(self.directory / self.files[k], self.dtype, mode='r')
-      if hasattr(mmap, 'MADV_RANDOM'):
-        m._mmap.madvise(mmap.MADV_RANDOM)  # pylint: disable=protected-access (no readahead:
-        # windows are read at random, and readahead would map ~128 KiB per 4 KiB window)
+      if hasattr(mmap, 'MADV_RANDOM'):  # no readahead: it would map ~128 KiB per window
+        m._mmap.madvise(mmap.MADV_RANDOM)  # pylint: disable=protected-access
       self._maps[k] = m
     return self._maps[k]
 
