@@ -12,7 +12,7 @@ pretrain; the tokenizer is data.tokenizer (a path, a hub name, or `train`: a byt
 of model.vocab_size learned from the first --tokenizer_docs documents) and is written to
 OUT/tokenizer.json. Rerunning the command (or --resume) continues after the last complete
 shard; a directory started with another source or tokenizer is refused.
-Exit codes: 0 done; 2 a one-line `error: ...` on stderr.
+Exit codes: 0 done; 2 a one-line `error: ...` on stderr; 130 interrupted (rerun to continue).
 """
 
 from absl import app, flags
@@ -27,8 +27,8 @@ _fail = flags_util.fail
 
 
 try:
-  _CONFIG = config_flags.DEFINE_config_dataclass('config', config_lib.Config(),
-                                                 'Data settings (config.data.*, model.vocab_size).')
+  _CONFIG = config_flags.DEFINE_config_dataclass(
+      'config', config_lib.Config(), 'Data settings (config.data.*, model.vocab_size).')
 except (KeyError, AttributeError, TypeError, ValueError) as e:
   _fail(f'bad --config flag: {str(e).strip(chr(34))}')
 _OUT = flags.DEFINE_string('out', None, 'Output directory of the shards and index.json.')
@@ -68,6 +68,9 @@ def main(argv):
                            quiet=_QUIET.value)
   except DataError as e:
     _fail(str(e))
+  except KeyboardInterrupt:
+    _fail(f'interrupted; rerun the same command to continue {_OUT.value} after its last '
+          'complete shard', 130)
   print(summary(index), flush=True)
 
 
