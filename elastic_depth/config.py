@@ -77,8 +77,8 @@ class DepthConfig:
 @dataclasses.dataclass
 class DataConfig:
   """Where tokens come from (see elastic_depth/data)."""
-  source: str = 'synthetic'  # synthetic | text | hf | tfds
-  paths: str = ''            # file, glob or comma-separated list (text source)
+  source: str = 'synthetic'  # synthetic | text | hf | tfds | tokens (prepared shards)
+  paths: str = ''            # file, glob or comma-separated list (text); DIR (tokens)
   val_paths: str = ''        # optional separate validation files
   text_field: str = 'text'   # jsonl key / parquet column
   separator: str = '<|endoftext|>'
@@ -88,7 +88,7 @@ class DataConfig:
   tfds_data_dir: str = ''    # where the TFDS dataset was prepared (array_record)
   tokenizer: str = 'train'   # 'train' (byte-level BPE on the corpus), a path, or a hub name
   val_fraction: float = 0.05
-  max_docs: int = 0          # 0: all
+  max_docs: int = 0          # documents per part (paths, val_paths, split); 0: all
   seed: int = 0
   # synthetic generator (see elastic_depth/data/synthetic.py)
   synth_task: str = 'compose'  # compose (k permutations in order) | binding (k-hop lookup)

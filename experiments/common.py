@@ -136,7 +136,7 @@ def resolve_data(cfg: Config, workdir: str, overrides: dict):
       raise SetupError(f'{workdir} was trained on the synthetic vocabulary: it cannot score '
                        f'{d.source} data (train on a text corpus first, or name a matching '
                        'tokenizer with --data_tokenizer)')
-    if d.tokenizer == 'train':
+    if d.tokenizer == 'train' or saved.source == 'tokens':  # tokens: the shards' tokenizer
       tok = os.path.join(workdir, 'tokenizer.json')
       if not os.path.isfile(tok):
         raise SetupError(f'{workdir} has no tokenizer.json (the trained tokenizer of this '

@@ -30,16 +30,11 @@ from experiments import flags_util
 from elastic_depth.data import DataError
 
 
-def _fail(msg: str, code: int = 2):
-  print(f'error: {msg}', file=sys.stderr, flush=True)
-  sys.exit(code)
-
-
 try:  # ml_collections resolves --config.* override types from sys.argv right here
   _CONFIG = config_flags.DEFINE_config_dataclass('config', config_lib.Config(),
                                                  'Experiment configuration.')
 except (KeyError, AttributeError, TypeError, ValueError) as e:
-  _fail(f'bad --config flag: {str(e).strip(chr(34))}')
+  flags_util.fail(f'bad --config flag: {str(e).strip(chr(34))}')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints, metrics and '
                                'reports go.')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in workdir.')
@@ -57,19 +52,9 @@ _HEARTBEAT = flags.DEFINE_integer('heartbeat_timeout_s', 100, 'Seconds without a
 ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.NonFiniteError)
 
 
-def parse_flags(argv):
-  """absl flag parsing with a one-line error (exit 2) instead of a usage dump."""
-  try:
-    return flags.FLAGS(flags_util.dedupe_config_overrides(argv))
-  except flags.Error as e:
-    _fail(f'{e} (see --helpshort)')
-  except (KeyError, AttributeError, TypeError, ValueError) as e:
-    _fail(f'bad flag: {e}')
-
-
 def main(argv):
   if len(argv) > 1:
-    _fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
+    flags_util.fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   cfg = _CONFIG.value
   try:
@@ -80,9 +65,9 @@ def main(argv):
       return
     summary = train.run(cfg, _WORKDIR.value, resume=_RESUME.value, quiet=_QUIET.value)
   except ERRORS as e:
-    _fail(str(e))
+    flags_util.fail(str(e))
   except KeyboardInterrupt as e:
-    _fail(f'interrupted ({e or "second signal"}); the last complete checkpoint is kept', 130)
+    flags_util.fail(f'interrupted ({e or "second signal"}); the last complete checkpoint is kept', 130)
   if 'preempted_at' in summary:
     at = summary['preempted_at']
     print('preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
@@ -98,4 +83,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=flags_util.parse_or_fail)
