@@ -18,7 +18,6 @@ Exit codes: 0 done (or preempted by SIGTERM/SIGINT after saving a checkpoint: re
 non-finite loss, a failed save); 130 a second interrupt (stopped without saving).
 """
 
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
