@@ -29,6 +29,7 @@ BAD = {
     'model.init_std': [0.0, -0.02, NAN, INF],
     'model.state_std': [-1.0, NAN, INF],
     'model.norm_eps': [0.0, -1e-6, NAN],
+    'model.embed_scale': [0.0, -1.0, NAN, INF],
     'depth.mean': [0.5, 0.0, -3.0, NAN, INF],
     'depth.sigma': [-0.1, NAN, INF],
     'depth.r_max': [0, -1],
