@@ -40,6 +40,8 @@ _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoin
 _QUIET = flags.DEFINE_bool('quiet', False, 'No progress bar.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Check everything and compile the step ahead '
                              'of time (memory, FLOPs, time estimates); train nothing.')
+_DRY_REMAT = flags.DEFINE_enum('dry_run_remat', 'both', ['both', 'on', 'off'], 'Which remat '
+                               'settings the dry run compiles.')
 _DRY_MFU = flags.DEFINE_float('dry_run_mfu', 0.45, 'MFU assumed by the dry run\'s estimates.')
 _COORD = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0 '
                              '(multi-process runs).')
@@ -59,8 +61,10 @@ def main(argv):
   try:
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value, _HEARTBEAT.value)
     if _DRY_RUN.value:
+      remat = {'both': (True, False), 'on': (True,), 'off': (False,)}[_DRY_REMAT.value]
       print(dry_run.describe(dry_run.run(cfg, _WORKDIR.value, resume=_RESUME.value,
-                                         mfu=_DRY_MFU.value)), flush=True)
+                                         mfu=_DRY_MFU.value, remat_choices=remat)),
+            flush=True)
       return
     summary = train.run(cfg, _WORKDIR.value, resume=_RESUME.value, quiet=_QUIET.value)
   except ERRORS as e:

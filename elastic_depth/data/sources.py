@@ -13,6 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
+from elastic_depth.data import synthetic
 from elastic_depth.data.errors import UNREACHABLE_HINT, DataError
 
 CHUNK_BYTES = 1 << 22  # text files are read in 4 MiB chunks
@@ -179,6 +180,14 @@ def holdout_split(docs: list[str], cfg, origin: str) -> Corpus:
   train = [d for d, v in zip(docs, is_val) if not v]
   val = [d for d, v in zip(docs, is_val) if v]
   return Corpus(train, val, origin)
+
+
+def load_synthetic(cfg) -> Corpus:
+  """Synthetic programs as space-separated strings (prepare_data's synthetic source)."""
+  train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
+                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
+                                     getattr(cfg, 'synth_task', 'binding'))
+  return Corpus(train.docs(vocab), val.docs(vocab), 'synthetic')
 
 
 def load_text(cfg) -> Corpus:
