@@ -19,6 +19,10 @@ non-finite loss, a failed save); 130 a second interrupt (stopped without saving)
 """
 
 
+import os
+import sys
+
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -53,6 +57,20 @@ _HEARTBEAT = flags.DEFINE_integer('heartbeat_timeout_s', 100, 'Seconds without a
 ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.NonFiniteError)
 
 
+def _peer_lost(e: BaseException) -> None:
+  """A collective failed in a multi-process run: one clear line, then exit at once.
+
+  os._exit skips jax.distributed's shutdown barrier, which would abort the process with
+  pages of coordination-service logs when a peer is gone.
+  """
+  first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+  print(f'error: process {jax.process_index()} of {jax.process_count()}: a peer process '
+        f'failed or became unreachable ({first}); the job stops. The last complete '
+        f'checkpoint in {_WORKDIR.value} is intact: restart every process with --resume',
+        file=sys.stderr, flush=True)
+  os._exit(3)  # pylint: disable=protected-access
+
+
 def main(argv):
   if len(argv) > 1:
     flags_util.fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
@@ -71,6 +89,10 @@ def main(argv):
     flags_util.fail(str(e))
   except KeyboardInterrupt as e:
     flags_util.fail(f'interrupted ({e or "second signal"}); the last complete checkpoint is kept', 130)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    _peer_lost(e)
   if 'preempted_at' in summary:
     at = summary['preempted_at']
     print('preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
