@@ -26,6 +26,13 @@ class ExitPolicy(str, enum.Enum):
   ROUTER = 'router'            # A2: linear probe P(change) < eps
 
 
+class AttentionIn(str, enum.Enum):
+  """Which blocks mix positions (the others are MLP-only)."""
+  ALL = 'all'    # every block has attention
+  CORE = 'core'  # only the shared core: prelude and coda are MLP-only, so every step
+                 # of work between positions has to be done by the loops
+
+
 class NanPolicy(str, enum.Enum):
   """What the training loop does on a non-finite loss or gradient."""
   STOP = 'stop'
@@ -48,6 +55,7 @@ class ModelConfig:
   rope_theta: float = 10000.0
   tie_embeddings: bool = True
   init_state: str = InitState.RANDOM.value
+  attention: str = AttentionIn.ALL.value  # all | core (MLP-only prelude and coda)
   init_std: float = 0.02
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6
@@ -91,6 +99,9 @@ class DataConfig:
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16
+  synth_num_ops: int = 4       # compose: fixed digit permutations (op symbols)
+  synth_curriculum: int = 0    # compose: training windows per curriculum stage; stage j
+                               # draws k from 1..min(2 + j, synth_max_hops) (0: no curriculum)
 
 
 @dataclasses.dataclass
@@ -162,6 +173,9 @@ def validate(cfg: Config) -> None:
   valid = {x.value for x in InitState}
   if m.init_state not in valid:
     raise ConfigError(f'model.init_state={m.init_state!r} not in {sorted(valid)}')
+  if m.attention not in {x.value for x in AttentionIn}:
+    raise ConfigError(f'model.attention={m.attention!r} not in '
+                      f'{sorted(x.value for x in AttentionIn)}')
   if m.dtype not in ('float32', 'bfloat16', 'float16'):
     raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
   if not d.mean >= 1 or not math.isfinite(d.mean):

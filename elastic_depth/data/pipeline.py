@@ -75,6 +75,49 @@ def train_dataset(windows: Windows, batch_size: int, seed: int, shard_index: int
   return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
 
 
+class Curriculum:
+  """Training windows in a fixed order of stages of rising difficulty, then the full task.
+
+  Window n of the stream comes from stage min(n // per_stage, last); stage j < last holds
+  programs with k <= k_max[j], the last stage is the ordinary training split. Each stage
+  is read in a shuffled order (reshuffled every pass, a pure function of (seed, stage,
+  pass)), so the stream is deterministic and an index is all a resumed iterator needs.
+  """
+
+  def __init__(self, stages: list[Windows], per_stage: int, seed: int):
+    self.stages, self.per_stage, self.seed = stages, per_stage, seed
+    self._perm = {}
+
+  def __len__(self) -> int:
+    return 2 ** 40  # unbounded: the last stage repeats
+
+  def _order(self, j: int, rnd: int) -> np.ndarray:
+    if (j, rnd) not in self._perm:
+      if len(self._perm) > 64:
+        self._perm.clear()
+      rng = np.random.default_rng([self.seed, j, rnd])
+      self._perm[(j, rnd)] = rng.permutation(len(self.stages[j]))
+    return self._perm[(j, rnd)]
+
+  def __getitem__(self, n: int) -> dict[str, np.ndarray]:
+    j = min(int(n) // self.per_stage, len(self.stages) - 1)
+    m = int(n) - j * self.per_stage
+    size = len(self.stages[j])
+    return self.stages[j][int(self._order(j, m // size)[m % size])]
+
+
+def curriculum_stages(cfg, tok, seq_len: int, answers_only: bool) -> list[Windows]:
+  """Windows of the easier stages (k <= 2, 3, ..., max_hops - 1) of a compose corpus."""
+  out = []
+  for j, k_max in enumerate(range(2, cfg.synth_max_hops)):
+    split = synthetic.generate(cfg.synth_examples, k_max, cfg.synth_num_vars, cfg.seed,
+                               synthetic.VAL_STREAM + 1 + j, task=cfg.synth_task,
+                               num_ops=cfg.synth_num_ops)
+    out.append(_windows(f'curriculum k<={k_max}', (split.ids, split.difficulty), tok,
+                        seq_len, 'synthetic', answers_only))
+  return out
+
+
 def fixed_batches(windows: Windows, batch_size: int, n: int | None) -> list[dict]:
   """First n batches of windows in order; the last one padded with mask-0 rows."""
   n_all = -(-len(windows) // batch_size)
@@ -129,7 +172,8 @@ def _synthetic_streams(cfg, vocab_size, workdir):
   del workdir
   train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
                                      cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
-                                     getattr(cfg, 'synth_task', 'binding'))
+                                     getattr(cfg, 'synth_task', 'binding'),
+                                     getattr(cfg, 'synth_num_ops', 4))
   tokenizer_lib.check_vocab(vocab, vocab_size)
   return 'synthetic', vocab, (train.ids, train.difficulty), (val.ids, val.difficulty)
 
@@ -193,7 +237,15 @@ def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=N
   val_w = _windows('validation', val_docs, tok, seq_len, origin, answers)
   if len(train_w) < shard_count:
     raise DataError(f'{origin}: {len(train_w)} training windows for {shard_count} hosts')
-  train_ds = train_dataset(train_w, batch_size, data_cfg.seed, shard_index, shard_count)
+  if getattr(data_cfg, 'synth_curriculum', 0) and origin == 'synthetic':
+    stages = curriculum_stages(data_cfg, tok, seq_len, answers) + [train_w]
+    train_ds = grain.MapDataset.source(Curriculum(stages, data_cfg.synth_curriculum,
+                                                  data_cfg.seed))
+    if shard_count > 1:
+      train_ds = train_ds[shard_index::shard_count]
+    train_ds = train_ds.batch(batch_size, drop_remainder=True)
+  else:
+    train_ds = train_dataset(train_w, batch_size, data_cfg.seed, shard_index, shard_count)
   stats = {'origin': origin, 'tokenizer': getattr(tok, 'origin', 'synthetic vocabulary'),
            'train_docs': len(train_docs[0]), 'val_docs': len(val_docs[0]),
            'train_tokens': len(train_w.tokens_N), 'val_tokens': len(val_w.tokens_N),
