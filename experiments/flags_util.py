@@ -24,3 +24,13 @@ def dedupe_config_overrides(argv: list[str]) -> list[str]:
 def parse(argv: list[str]) -> list[str]:
   """A flags_parser for absl.app.run."""
   return flags.FLAGS(dedupe_config_overrides(argv))
+
+
+def floats(xs, name: str, error=ValueError):
+  """A list flag's values as floats (None stays None); `error` names the bad flag."""
+  if xs is None:
+    return None
+  try:
+    return [float(x) for x in xs]
+  except ValueError as e:
+    raise error(f'--{name}: {e}') from None

@@ -10,6 +10,8 @@ training mean, and A0's loss at the same mean loops (the frontier comparison).
 Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
 
+import dataclasses
+import json
 import os
 
 import jax
@@ -17,14 +19,20 @@ from absl import app, flags
 
 from elastic_depth import analysis, reports
 from elastic_depth import router as router_lib
-from experiments import common
+from experiments import common, flags_util
 
+# EPS_GRID and DELTA are shared with experiments.calibrate_eps
 EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-separated '
-                             '(default: 13 log-spaced points 1e-6..1).')
-DELTA = flags.DEFINE_float('delta', 0.01, 'Loss tolerance (nats/token) of the headline.')
+                             '(default: a log-spaced grid 1e-6..1; calibrate_eps: increasing).')
+DELTA = flags.DEFINE_float('delta', 0.01, 'Loss tolerance (nats/token) of the headline; '
+                           'calibrate_eps: the risk level not to exceed.')
 CURVES = flags.DEFINE_list('curves', ['kl'], 'Exit curves: kl (A1), reverse_kl, state_delta.')
 ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
-                           '(python -m experiments.train_router).')
+                           '(python -m experiments.train_router); refused if the router '
+                           'was fitted on batches this sweep scores.')
+CALIBRATED = flags.DEFINE_bool('calibrated', True, 'Mark the eps chosen by '
+                               'experiments.calibrate_eps (reports/calibrate_eps[_TAG].json) '
+                               'on the frontier when that report exists.')
 ROUTER_GRID = flags.DEFINE_list('router_grid', None, 'A2 thresholds on P(change) (default '
                                 '10 points 0.05..0.95).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
@@ -32,30 +40,47 @@ STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-c
 
 
 def _floats(xs, name):
-  if xs is None:
-    return None
-  try:
-    return [float(x) for x in xs]
-  except ValueError as e:
-    raise common.SetupError(f'--{name}: {e}') from None
+  return flags_util.floats(xs, name, common.SetupError)
+
+
+def _router(opts: common.Options, ld: common.Loaded):
+  """The A2 probe of the workdir; SetupError if it saw any batch scored here."""
+  path = os.path.join(opts.workdir, 'router.json')
+  if not os.path.exists(path):
+    raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
+                            f'--workdir={opts.workdir} first')
+  tokens = router_lib.batch_tokens(0, len(ld.batches), ld.data.batch_size, ld.data.seq_len)
+  why = router_lib.overlap_error(router_lib.load_fit(path),
+                                 dataclasses.asdict(ld.data_cfg), tokens)
+  if why:
+    raise common.SetupError(f'--router: {why}; score fewer batches (--batches) or refit '
+                            'with a larger train_router --fit_from')
+  return router_lib.load(path)
+
+
+def _calibrated(opts: common.Options) -> dict:
+  """{'calibrated': a one-point KL curve} at the eps of calibrate_eps, if it chose one."""
+  path = os.path.join(opts.workdir, 'reports', common.report_name('calibrate_eps', opts)
+                      + '.json')
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding='utf-8') as f:
+    eps = json.load(f)['results']['eps']
+  return {} if eps is None else {'calibrated': analysis.Curve('kl', [eps])}
 
 
 def run(opts: common.Options) -> dict:
   """Loads the workdir, runs A0 and the exit curves and writes the report."""
   ld = common.load(opts)
   x = opts.extra
-  probe = None
-  if x.get('router'):
-    path = os.path.join(opts.workdir, 'router.json')
-    if not os.path.exists(path):
-      raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
-                              f'--workdir={opts.workdir} first')
-    probe = router_lib.load(path)
+  probe = _router(opts, ld) if x.get('router') else None
+  extra = _calibrated(opts) if x.get('calibrated') else {}
   res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.get('eps_grid'),
                        delta=x.get('delta', 0.01), curves=tuple(x.get('curves', ('kl',))),
                        state_delta_grid=x.get('state_delta_grid'), router=probe,
-                       router_grid=x.get('router_grid'), progress=opts.progress)
+                       router_grid=x.get('router_grid'), extra_curves=extra,
+                       progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
                         flags=common.flag_record(opts, ld), checkpoint=info,
@@ -81,5 +106,5 @@ if __name__ == '__main__':
                       delta=lambda: DELTA.value, curves=lambda: CURVES.value,
                       state_delta_grid=lambda: _floats(STATE_DELTA_GRID.value,
                                                        'state_delta_grid'),
-                      router=lambda: ROUTER.value,
+                      router=lambda: ROUTER.value, calibrated=lambda: CALIBRATED.value,
                       router_grid=lambda: _floats(ROUTER_GRID.value, 'router_grid')))

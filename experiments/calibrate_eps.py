@@ -1,0 +1,113 @@
+"""Choose the A1 exit threshold eps with a guarantee (Learn-then-Test, as in CALM).
+
+  python -m experiments.calibrate_eps --workdir=runs/tiny --delta=0.02 --alpha=0.1
+  python -m experiments.calibrate_eps --workdir=runs/tiny --risk=argmax --delta=0.02
+  python -m experiments.sweep_eps --workdir=runs/tiny    # marks the calibrated point
+
+The first --cal_batches validation batches calibrate, the remaining ones (up to
+--batches) are held out and only report. The chosen eps is the most aggressive one of
+the grid such that P(risk > delta) <= alpha over the draw of the calibration sequences
+(risk: the loss increase against full depth or the argmax disagreement with it; see
+elastic_depth/calibrate.py). Writes <workdir>/reports/calibrate_eps[_TAG].{json,md,png}.
+"""
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from elastic_depth import analysis, calibrate, reports
+from experiments import common, flags_util, sweep_eps
+
+DELTA, EPS_GRID = sweep_eps.DELTA, sweep_eps.EPS_GRID  # --delta, --eps_grid: shared flags
+ALPHA = flags.DEFINE_float('alpha', 0.1, 'Allowed probability of exceeding delta.')
+RISK = flags.DEFINE_enum_class('risk', calibrate.Risk.LOSS, calibrate.Risk,
+                               'loss: loss increase against full depth (clipped to '
+                               '[0, --bound]); argmax: argmax differs from full depth.')
+PVALUE = flags.DEFINE_enum_class('pvalue', calibrate.PValue.HOEFFDING_BENTKUS,
+                                 calibrate.PValue, 'p-value of H0: risk > delta.')
+BOUND = flags.DEFINE_float('bound', 4.0, 'Clip of the per-token loss increase (nats).')
+CAL_BATCHES = flags.DEFINE_integer('cal_batches', 0, 'Calibration batches (the first ones; '
+                                   '0: half of --batches); the rest are held out.')
+
+
+def check(x: dict, n_batches: int) -> int:
+  """Validates the settings; returns the number of calibration batches."""
+  if not 0 < x['delta']:
+    raise common.SetupError(f"--delta={x['delta']} must be > 0")
+  if not 0 < x['alpha'] < 1:
+    raise common.SetupError(f"--alpha={x['alpha']} must be in (0, 1)")
+  if x['risk'] == calibrate.Risk.LOSS and not x['bound'] > x['delta']:
+    raise common.SetupError(f"--bound={x['bound']} must exceed --delta={x['delta']}")
+  grid = x.get('eps_grid')
+  if grid is not None and (not grid or list(grid) != sorted(grid) or min(grid) < 0):
+    raise common.SetupError(f'--eps_grid={grid} must be non-negative and increasing')
+  n_cal = x.get('cal_batches') or n_batches // 2
+  if not 0 < n_cal < n_batches:
+    raise common.SetupError(f'--cal_batches={n_cal} must leave at least one of the '
+                            f'{n_batches} validation batches (--batches) held out')
+  return n_cal
+
+
+def _markdown(res: dict, info: dict) -> str:
+  c, h = res['calibration'], res['heldout']
+  md = reports._title('Calibrated exit threshold (Learn-then-Test)', info)  # pylint: disable=protected-access
+  md += (f"risk={res['risk']}, delta={res['delta']}, alpha={res['alpha']}, p-value "
+         f"{res['pvalue']}; calibration batches {res['cal_batches']}, held-out "
+         f"{res['test_batches']}\n\nchosen eps: {res['eps']}\n\n")
+  return md + reports.table(['split', 'risk', 'loss', 'loss at full depth', 'mean loops'],
+                            [[k, s['risk'], s['loss'], s['loss_full'], s['mean_loops']]
+                             for k, s in (('calibration', c), ('held-out', h))])
+
+
+def _plot(res: dict):
+  def plot(fig):
+    ax = fig.add_subplot(1, 1, 1)
+    ax.semilogx(res['eps_grid'], res['calibration_risk_by_eps'], 'o-', label='calibration risk')
+    ax.axhline(res['delta'], color='gray', ls=':', label='delta')
+    if res['eps'] is not None:
+      ax.axvline(res['eps'], color='r', ls='--', label=f"chosen eps={res['eps']:.3g}")
+    ax.set(xlabel='eps', ylabel=f"risk ({res['risk']})")
+    ax.legend(fontsize=8)
+  return plot
+
+
+def run(opts: common.Options) -> dict:
+  """Scores the grid on both splits, calibrates, writes the report."""
+  x = opts.extra
+  ld = common.load(opts)
+  n_cal = check(x, len(ld.batches))
+  grid = x.get('eps_grid') or analysis.default_grid(1e-6, 1.0, 25)
+  rng = jax.random.key(opts.seed)
+  keys = [analysis.batch_key(rng, k) for k in range(len(ld.batches))]
+  split = {'cal': list(range(n_cal)), 'test': list(range(n_cal, len(ld.batches)))}
+  scored = {s: calibrate.score_grid(ld.model, [ld.batches[k] for k in ix],
+                                    [keys[k] for k in ix], grid, ld.r_max)
+            for s, ix in split.items()}
+  mask = {s: np.concatenate([ld.batches[k]['mask'] for k in ix]) for s, ix in split.items()}
+  res = calibrate.calibrate(scored['cal'], mask['cal'], scored['test'], mask['test'], grid,
+                            delta=x['delta'], alpha=x['alpha'], risk=x['risk'].value,
+                            pvalue=x['pvalue'].value, bound=x['bound'])
+  res.update(cal_batches=split['cal'], test_batches=split['test'], r_max=ld.r_max)
+  info = ld.checkpoint_info()
+  paths = reports.write(opts.workdir, common.report_name('calibrate_eps', opts), res,
+                        flags=common.flag_record(opts, ld), checkpoint=info,
+                        markdown=_markdown(res, info), plot=_plot(res))
+  h = res['heldout']
+  if res['eps'] is None:
+    print(f"calibrate_eps: no eps of the grid is certified (risk {res['risk']} <= "
+          f"{res['delta']} with probability {1 - res['alpha']:g}): keep full depth "
+          f"{ld.r_max}; report {paths['md']}")
+  else:
+    print(f"calibrate_eps: eps={res['eps']:.3g} (P(risk > {res['delta']}) <= {res['alpha']});"
+          f" held-out {res['risk']} risk {h['risk']:.4f}, loss {h['loss']:.4f} (full depth "
+          f"{h['loss_full']:.4f}), mean loops {h['mean_loops']:.2f} of {ld.r_max}; "
+          f"report {paths['md']}")
+  return {'results': res, 'paths': paths}
+
+
+if __name__ == '__main__':
+  app.run(common.main(run, delta=lambda: DELTA.value, alpha=lambda: ALPHA.value,
+                      risk=lambda: RISK.value, pvalue=lambda: PVALUE.value,
+                      bound=lambda: BOUND.value, cal_batches=lambda: CAL_BATCHES.value,
+                      eps_grid=lambda: flags_util.floats(EPS_GRID.value,
+                                                         'eps_grid', common.SetupError)))
