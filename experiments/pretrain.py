@@ -37,6 +37,9 @@ _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints, me
                                'reports go.')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in workdir.')
 _QUIET = flags.DEFINE_bool('quiet', False, 'No progress bar.')
+_REPORT = flags.DEFINE_bool('difficulty_report', True, 'After a synthetic run with '
+                            'data.loss_on=answers, print loss and A1 exit depth by '
+                            'difficulty (experiments.difficulty; reports/difficulty.*).')
 
 ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.NonFiniteError)
 
@@ -74,6 +77,10 @@ def main(argv):
     print(f'validation loss: depth 1 = {losses[depths[0]]:.4f}, depth {mean} '
           f'(training mean) = {losses[mean]:.4f}; all: '
           + ', '.join(f'r={d}: {losses[d]:.4f}' for d in depths))
+  if _REPORT.value and cfg.data.source == 'synthetic' and cfg.data.loss_on == 'answers':
+    from experiments import common, difficulty  # pylint: disable=g-import-not-at-top
+    difficulty.run(common.Options(workdir=_WORKDIR.value, batches=8,
+                                  progress=False))
 
 
 if __name__ == '__main__':
