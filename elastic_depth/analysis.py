@@ -91,12 +91,13 @@ def _jitted(kind: str, graphdef, mcfg, *static):
         mdl = nnx.merge(graphdef, state)
         return inference.score(mdl, inputs, cfg, key, targets_BxL=targets, trace=True).traces
     else:
-      policy, min_loops, r_max = static
+      policy, min_loops, r_max, mask_only = static
 
-      def fn(state, inputs, targets, key, eps, router):
+      def fn(state, inputs, targets, key, eps, router, mask):
         cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                          max_loops=r_max, check_every=1)
-        res = inference.score(nnx.merge(graphdef, state), inputs, cfg, key, router=router)
+        res = inference.score(nnx.merge(graphdef, state), inputs, cfg, key, router=router,
+                              exit_mask_BxL=(mask > 0) if mask_only else None)
         return inference.nll(res.logits, targets), res.depth
     _JIT_CACHE[key] = jax.jit(fn)
   return _JIT_CACHE[key]
@@ -234,6 +235,7 @@ class Curve(NamedTuple):
   thresholds: Sequence[float]
   router: Optional[policies.Router] = None
   min_loops: int = 1
+  mask_only: bool = False  # only scored (mask) tokens may exit; the others run R loops
 
 
 def check_readouts(depth: np.ndarray, policy: str, min_loops: int = 1) -> np.ndarray:
@@ -276,7 +278,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   _check_fp32(model)
   graphdef, state = nnx.split(model)
   policy, min_loops = ExitPolicy(curve.policy).value, curve.min_loops
-  run = _jitted('policy', graphdef, model.cfg, policy, min_loops, r_max)
+  run = _jitted('policy', graphdef, model.cfg, policy, min_loops, r_max, curve.mask_only)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'mean_checks',
                          'share_max_depth')}
@@ -287,7 +289,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
         n, d = jax.device_get(run(
             state, jnp.asarray(b['inputs'], jnp.int32),
             jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
-            curve.router))
+            curve.router, jnp.asarray(b['mask'], jnp.float32)))
         nll.append(n)
         depth.append(d)
       nll, depth = np.concatenate(nll), np.concatenate(depth)

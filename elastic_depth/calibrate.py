@@ -105,12 +105,13 @@ _JIT = {}
 
 
 def _scorer(graphdef, mcfg, policy: str, r_max: int):
-  """Jitted (state, inputs, targets, key, eps) -> (nll, argmax, depth) per token."""
+  """Jitted (state, inputs, targets, key, eps, exit mask) -> (nll, argmax, depth)."""
   key = (repr(mcfg), policy, r_max)
   if key not in _JIT:
-    def fn(state, inputs, targets, rng, eps):
+    def fn(state, inputs, targets, rng, eps, exit_mask):
       cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, max_loops=r_max, check_every=1)
-      res = inference.score(nnx.merge(graphdef, state), inputs, cfg, rng)
+      res = inference.score(nnx.merge(graphdef, state), inputs, cfg, rng,
+                            exit_mask_BxL=exit_mask)
       return (inference.nll(res.logits, targets), jnp.argmax(res.logits, -1).astype(jnp.int32),
               res.depth)
     _JIT[key] = jax.jit(fn)
@@ -118,10 +119,12 @@ def _scorer(graphdef, mcfg, policy: str, r_max: int):
 
 
 def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
-               eps_grid: Sequence[float], r_max: int, policy: str = ExitPolicy.KL.value):
+               eps_grid: Sequence[float], r_max: int, policy: str = ExitPolicy.KL.value,
+               mask_only: bool = False):
   """Per-token nll, argmax, depth [G, N, L] at every eps, and the same at full depth r_max.
 
-  Batch k uses keys[k] for its initial state (pass the keys analysis.sweep uses).
+  Batch k uses keys[k] for its initial state (pass the keys analysis.sweep uses); with
+  mask_only, only the batch's scored (mask) tokens may exit.
   """
   graphdef, state = nnx.split(model)
   out = []
@@ -130,8 +133,9 @@ def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
       run = _scorer(graphdef, model.cfg, pol, r_max)
       per = []
       for eps in grid:
-        rows = [jax.device_get(run(state, jnp.asarray(b['inputs'], jnp.int32),
-                                   jnp.asarray(b['targets'], jnp.int32), k, jnp.float32(eps)))
+        rows = [jax.device_get(run(
+            state, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
+            k, jnp.float32(eps), jnp.asarray(b['mask']) > 0 if mask_only else None))
                 for b, k in zip(batches, keys)]
         per.append([np.concatenate([r[i] for r in rows]) for i in range(3)])
       out.append([np.stack([p[i] for p in per]) for i in range(3)])

@@ -47,7 +47,8 @@ def _max_loops(cfg: ExitConfig) -> int:
 
 def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Array, *,
           targets_BxL: Optional[jax.Array] = None,
-          router: Optional[policies.Router] = None, trace: bool = False) -> ScoreResult:
+          router: Optional[policies.Router] = None, trace: bool = False,
+          exit_mask_BxL: Optional[jax.Array] = None) -> ScoreResult:
   """Scores a batch with per-token early exit in parallel semantics.
 
   Args:
@@ -58,6 +59,8 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
     targets_BxL: next tokens; with trace, per-loop NLL is recorded.
     router: A2 probe (policy 'router', or to trace its probability).
     trace: record per-loop stats (run with policy 'uniform' for full traces).
+    exit_mask_BxL: tokens the policy may stop (None: all); the others run max_loops
+      (e.g. the exit decision taken on answer tokens only).
   Returns:
     ScoreResult with logits_BxLxV computed by the coda on the final states.
   """
@@ -77,6 +80,12 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
   check_fn, carry0 = policies.make_check_fn(
       cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
       router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
+  if exit_mask_BxL is not None:
+    check_all = check_fn
+
+    def check_fn(*args):  # pylint: disable=function-redefined
+      ex, carry, stats = check_all(*args)
+      return ex & exit_mask_BxL, carry, stats
   res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                               min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
                               check_every=cfg.check_every, trace=trace)
