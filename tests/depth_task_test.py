@@ -1,0 +1,51 @@
+"""A reduced main job: on the compose task, trained for a few hundred steps, answers that
+need more permutations exit later, by a margin no depth-independent model could show."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from elastic_depth import config as config_lib, difficulty, train
+from experiments import common
+
+STEPS = 700
+
+
+def _config() -> config_lib.Config:
+  return config_lib.Config(
+      model=config_lib.ModelConfig(vocab_size=32, d_model=64, num_heads=4, num_kv_heads=4,
+                                   head_dim=16, mlp_dim=256, n_prelude=1, n_core=1, n_coda=1,
+                                   attention='core', max_len=128),
+      depth=config_lib.DepthConfig(mean=4, r_max=6, buckets=(1, 2, 3, 4, 5, 6)),
+      data=config_lib.DataConfig(synth_task='compose', synth_examples=10000,
+                                 synth_max_hops=3, synth_curriculum=4000,
+                                 val_fraction=0.1, loss_on='answers'),
+      train=config_lib.TrainConfig(steps=STEPS, batch_size=16, seq_len=128, lr=2e-3,
+                                   warmup_steps=50, eval_every=STEPS, ckpt_every=STEPS,
+                                   eval_batches=1, eval_depths=(1, 4)))
+
+
+@pytest.fixture(scope='module')
+def report(tmp_path_factory):
+  wd = str(tmp_path_factory.mktemp('depth_task'))
+  train.run(_config(), wd, quiet=True)
+  ld = common.load(common.Options(workdir=wd, batches=4, progress=False))
+  return difficulty.report(ld.model, ld.batches, jax.random.key(0), 6, 4.0,
+                           eps_grid=[1e-4, 1e-3, 1e-2, 1e-1])
+
+
+def test_exit_depth_rises_with_k(report):
+  assert report['k'] == [1, 2, 3]
+  exit_k = report['a1']['kl_answers']['exit_depth_a1']
+  assert all(a < b for a, b in zip(exit_k, exit_k[1:])), exit_k
+  # a model whose output does not depend on depth exits every token at loop 2 (the
+  # first KL check): its exit depths cannot differ by k
+  assert exit_k[-1] - exit_k[0] >= 0.5, exit_k
+
+
+def test_depth_is_used_by_the_hard_answers(report):
+  r1, ref = report['loss_depth1'], report['loss_train_mean']
+  assert r1[-1] - ref[-1] >= 0.5, (r1, ref)  # no recurrence: r1 == ref
+  assert ref[0] < 0.5, ref  # the easiest level is learned
