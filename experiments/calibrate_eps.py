@@ -25,7 +25,8 @@ RISK = flags.DEFINE_enum_class('risk', calibrate.Risk.LOSS, calibrate.Risk,
                                '[0, --bound]); argmax: argmax differs from full depth.')
 PVALUE = flags.DEFINE_enum_class('pvalue', calibrate.PValue.HOEFFDING_BENTKUS,
                                  calibrate.PValue, 'p-value of H0: risk > delta.')
-BOUND = flags.DEFINE_float('bound', 4.0, 'Clip of the per-token loss increase (nats).')
+BOUND = flags.DEFINE_float('bound', 1.0, 'Clip of the per-token loss increase (nats); '
+                           'a looser clip needs more calibration sequences.')
 CAL_BATCHES = flags.DEFINE_integer('cal_batches', 0, 'Calibration batches (the first ones; '
                                    '0: half of --batches); the rest are held out.')
 
