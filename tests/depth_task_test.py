@@ -10,7 +10,7 @@ import pytest
 from elastic_depth import config as config_lib, difficulty, train
 from experiments import common
 
-STEPS = 700
+STEPS = 900
 
 
 def _config() -> config_lib.Config:
@@ -20,7 +20,7 @@ def _config() -> config_lib.Config:
                                    attention='core', max_len=128),
       depth=config_lib.DepthConfig(mean=4, r_max=6, buckets=(1, 2, 3, 4, 5, 6)),
       data=config_lib.DataConfig(synth_task='compose', synth_examples=10000,
-                                 synth_max_hops=3, synth_curriculum=4000,
+                                 synth_max_hops=3, synth_num_ops=2, synth_curriculum=4000,
                                  val_fraction=0.1, loss_on='answers'),
       train=config_lib.TrainConfig(steps=STEPS, batch_size=16, seq_len=128, lr=2e-3,
                                    warmup_steps=50, eval_every=STEPS, ckpt_every=STEPS,
