@@ -11,6 +11,8 @@ the grid such that P(risk > delta) <= alpha over the draw of the calibration seq
 elastic_depth/calibrate.py). Writes <workdir>/reports/calibrate_eps[_TAG].{json,md,png}.
 """
 
+from typing import Optional
+
 import jax
 import numpy as np
 from absl import app, flags
@@ -31,8 +33,9 @@ CAL_BATCHES = flags.DEFINE_integer('cal_batches', 0, 'Calibration batches (the f
                                    '0: half of --batches); the rest are held out.')
 
 
-def check(x: dict, n_batches: int) -> int:
-  """Validates the settings; returns the number of calibration batches."""
+def check(x: dict, n_batches: Optional[int] = None) -> int:
+  """Validates the settings (the split once n_batches is known); returns the number of
+  calibration batches."""
   if not 0 < x['delta']:
     raise common.SetupError(f"--delta={x['delta']} must be > 0")
   if not 0 < x['alpha'] < 1:
@@ -42,6 +45,8 @@ def check(x: dict, n_batches: int) -> int:
   grid = x.get('eps_grid')
   if grid is not None and (not grid or list(grid) != sorted(grid) or min(grid) < 0):
     raise common.SetupError(f'--eps_grid={grid} must be non-negative and increasing')
+  if n_batches is None:
+    return 0
   n_cal = x.get('cal_batches') or n_batches // 2
   if not 0 < n_cal < n_batches:
     raise common.SetupError(f'--cal_batches={n_cal} must leave at least one of the '
@@ -75,6 +80,7 @@ def _plot(res: dict):
 def run(opts: common.Options) -> dict:
   """Scores the grid on both splits, calibrates, writes the report."""
   x = opts.extra
+  check(x)  # before loading anything
   ld = common.load(opts)
   n_cal = check(x, len(ld.batches))
   grid = x.get('eps_grid') or analysis.default_grid(1e-6, 1.0, 25)
