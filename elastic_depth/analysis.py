@@ -82,17 +82,22 @@ def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
                          trace=True).traces
 
 
-def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
-                   min_loops: int, r_max: int):
-  """(NLL_BxL, depth_BxL) under an exit policy (what policy_curve jits; eps is traced)."""
+def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
+                   policy: ExitPolicy, min_loops: int, r_max: int, mask_only: bool = False):
+  """(NLL_BxL, depth_BxL) under an exit policy (what policy_curve jits; eps is traced).
+
+  With mask_only, only the tokens of mask_BxL (e.g. answer tokens) may exit early.
+  """
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=1)
-  res = inference.score(model, inputs_BxL, cfg, key, router=router)
+  res = inference.score(model, inputs_BxL, cfg, key, router=router,
+                        exit_mask_BxL=(mask_BxL > 0) if mask_only else None)
   return losses.nll(res.logits, targets_BxL), res.depth
 
 
 _trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
-_policy_run = nnx.jit(policy_outputs, static_argnames=('policy', 'min_loops', 'r_max'))
+_policy_run = nnx.jit(policy_outputs,
+                      static_argnames=('policy', 'min_loops', 'r_max', 'mask_only'))
 
 
 def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -226,6 +231,7 @@ class Curve(NamedTuple):
   thresholds: Sequence[float]
   router: Optional[policies.Router] = None
   min_loops: int = 1
+  mask_only: bool = False  # only scored (mask) tokens may exit; the others run R loops
 
 
 def check_readouts(depth: np.ndarray, policy: str, min_loops: int = 1) -> np.ndarray:
@@ -267,7 +273,8 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   """
   _check_fp32(model)
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
-  run = functools.partial(_policy_run, policy=policy, min_loops=min_loops, r_max=r_max)
+  run = functools.partial(_policy_run, policy=policy, min_loops=min_loops, r_max=r_max,
+                          mask_only=curve.mask_only)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'mean_checks',
                          'share_max_depth')}
@@ -278,7 +285,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
         n, d = jax.device_get(run(
             model, jnp.asarray(b['inputs'], jnp.int32),
             jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
-            curve.router))
+            curve.router, jnp.asarray(b['mask'], jnp.float32)))
         nll.append(n)
         depth.append(d)
       nll, depth = np.concatenate(nll), np.concatenate(depth)

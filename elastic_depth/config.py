@@ -26,6 +26,13 @@ class ExitPolicy(str, enum.Enum):
   ROUTER = 'router'            # A2: linear probe P(change) < eps
 
 
+class AttentionIn(str, enum.Enum):
+  """Which blocks mix positions (the others are MLP-only)."""
+  ALL = 'all'    # every block has attention
+  CORE = 'core'  # only the shared core: prelude and coda are MLP-only, so every step
+                 # of work between positions has to be done by the loops
+
+
 class NanPolicy(str, enum.Enum):
   """What the training loop does on a non-finite loss or gradient."""
   STOP = 'stop'
@@ -48,6 +55,7 @@ class ModelConfig:
   rope_theta: float = 10000.0
   tie_embeddings: bool = True
   init_state: InitState = InitState.RANDOM
+  attention: AttentionIn = AttentionIn.ALL  # all | core (MLP-only prelude and coda)
   init_std: float = 0.02
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6
@@ -96,6 +104,9 @@ class DataConfig:
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16
+  synth_num_ops: int = 4       # compose: fixed digit permutations (op symbols)
+  synth_curriculum: int = 0    # compose: training windows per curriculum stage; stage j
+                               # draws k from 1..min(2 + j, synth_max_hops) (0: no curriculum)
 
 
 @dataclasses.dataclass
@@ -218,7 +229,8 @@ RANGES = {
                   buckets=AT_LEAST_1, backprop_depth=NON_NEGATIVE),
     'data': dict(val_fraction=OPEN_UNIT, max_docs=NON_NEGATIVE, seed=NON_NEGATIVE,
                  synth_examples=AT_LEAST_1, synth_max_hops=AT_LEAST_1,
-                 synth_num_vars=AT_LEAST_1),
+                 synth_num_vars=AT_LEAST_1, synth_num_ops=AT_LEAST_1,
+                 synth_curriculum=NON_NEGATIVE),
     'train': dict(seed=NON_NEGATIVE, steps=AT_LEAST_1, batch_size=AT_LEAST_1,
                   seq_len=AT_LEAST_1, grad_accum=AT_LEAST_1, tokens_per_step=NON_NEGATIVE,
                   lr=POSITIVE, min_lr_ratio=UNIT, warmup_steps=NON_NEGATIVE,

@@ -47,7 +47,8 @@ def _max_loops(cfg: ExitConfig) -> int:
 
 def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Array, *,
           targets_BxL: Optional[jax.Array] = None,
-          router: Optional[policies.Router] = None, trace: bool = False) -> ScoreResult:
+          router: Optional[policies.Router] = None, trace: bool = False,
+          exit_mask_BxL: Optional[jax.Array] = None) -> ScoreResult:
   """Scores a batch with per-token early exit in parallel semantics.
 
   Args:
@@ -58,18 +59,32 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
     targets_BxL: next tokens; with trace, per-loop NLL is recorded.
     router: A2 probe (policy 'router', or to trace its probability).
     trace: record per-loop stats (run with policy 'uniform' for full traces).
+    exit_mask_BxL: tokens the policy may stop (None: all); the others run max_loops
+      (e.g. the exit decision taken on answer tokens only).
   Returns:
     ScoreResult with logits_BxLxV computed by the coda on the final states.
   """
-  out = model.forward(tokens_BxL, rng, exit_loop(cfg, router=router, targets_BxL=targets_BxL,
-                                                 trace=trace))
+  out = model.forward(tokens_BxL, rng, exit_loop(
+      cfg, router=router, targets_BxL=targets_BxL, trace=trace, exit_mask_BxL=exit_mask_BxL))
   res = out.aux
   return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.e, out.state,
                      out.prelude_kv, out.coda_kv)
 
 
-def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False):
+def _masked_check(check_fn, exit_mask_BxL):
+  """A check whose exit decisions are limited to the positions of exit_mask_BxL."""
+  def check(*args):
+    ex, carry, stats = check_fn(*args)
+    return ex & exit_mask_BxL, carry, stats
+  return check
+
+
+def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
+              exit_mask_BxL=None):
   """Loop policy for LoopedLM.forward: per-token early exit in parallel semantics.
+
+  With exit_mask_BxL, only tokens where it is True may exit early (the others run to the
+  maximum); the rule is still evaluated everywhere.
 
   The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
   """
@@ -86,6 +101,8 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
+    if exit_mask_BxL is not None:
+      check_fn = _masked_check(check_fn, exit_mask_BxL)
     res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                                 min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
                                 check_every=cfg.check_every, trace=trace)

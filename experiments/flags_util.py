@@ -63,3 +63,13 @@ def parse_or_fail(argv: list[str]) -> list[str]:
     fail(f'{e} (see --helpshort)')
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     fail(f'bad flag: {e}')
+
+
+def floats(xs, name: str, error=ValueError):
+  """A list flag's values as floats (None stays None); `error` names the bad flag."""
+  if xs is None:
+    return None
+  try:
+    return [float(x) for x in xs]
+  except ValueError as e:
+    raise error(f'--{name}: {e}') from None

@@ -53,6 +53,9 @@ _NPROC = flags.DEFINE_integer('num_processes', None, 'Number of processes.')
 _PID = flags.DEFINE_integer('process_id', None, 'This process\'s index, 0..num_processes-1.')
 _HEARTBEAT = flags.DEFINE_integer('heartbeat_timeout_s', 100, 'Seconds without a peer\'s '
                                   'heartbeat before a multi-process run stops with an error.')
+_REPORT = flags.DEFINE_bool('difficulty_report', True, 'After a synthetic run with '
+                            'data.loss_on=answers, print loss and A1 exit depth by '
+                            'difficulty (experiments.difficulty; reports/difficulty.*).')
 
 ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.NonFiniteError)
 
@@ -105,6 +108,10 @@ def main(argv):
     print(f'validation loss: depth 1 = {losses[depths[0]]:.4f}, depth {mean} '
           f'(training mean) = {losses[mean]:.4f}; all: '
           + ', '.join(f'r={d}: {losses[d]:.4f}' for d in depths))
+  if _REPORT.value and cfg.data.source == 'synthetic' and cfg.data.loss_on == 'answers':
+    from experiments import common, difficulty  # pylint: disable=g-import-not-at-top
+    difficulty.run(common.Options(workdir=_WORKDIR.value, batches=8,
+                                  progress=False))
 
 
 if __name__ == '__main__':

@@ -39,6 +39,8 @@ BAD = {
     'data.max_docs': [-1],
     'data.seed': [-1],
     'data.synth_examples': [0, -1],
+    'data.synth_num_ops': [0, -1],
+    'data.synth_curriculum': [-1],
     'data.synth_max_hops': [0, -1],
     'data.synth_num_vars': [0, -1, 5],  # 5 < synth_max_hops=6
     'train.seed': [-1],

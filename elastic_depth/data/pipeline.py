@@ -80,27 +80,76 @@ class Windows:
     }
 
 
+def host_batches(stream: grain.MapDataset, batch_size: int, shard_index: int = 0,
+                 shard_count: int = 1) -> grain.MapDataset:
+  """This host's rows of the global batches of `stream`.
+
+  The global stream (in batches of batch_size * shard_count) does not depend on the
+  number of hosts: host i takes rows [i * batch_size, (i + 1) * batch_size) of every
+  global batch, so hosts draw disjoint windows, and a run resumed on another host count
+  continues the same stream.
+  """
+  if shard_count == 1:
+    return stream.batch(batch_size, drop_remainder=True)
+  lo = shard_index * batch_size
+  rows = grain.MapDataset.range(0, len(stream)).map(
+      lambda k: (k // batch_size) * batch_size * shard_count + lo + k % batch_size)
+  return rows.map(lambda j: stream[j]).batch(batch_size, drop_remainder=True)
+
+
 def train_dataset(windows: Windows, batch_size: int, seed: int, shard_index: int = 0,
                   shard_count: int = 1) -> grain.MapDataset:
-  """Infinite grain dataset of this host's rows of the global batches.
-
-  The global stream (all windows, reshuffled every epoch, in batches of
-  batch_size * shard_count) does not depend on the number of hosts: host i takes rows
-  [i * batch_size, (i + 1) * batch_size) of every global batch, so hosts draw disjoint
-  windows, and a run resumed on another host count continues the same stream.
-  """
-  glob = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
-  if shard_count == 1:
-    return glob.batch(batch_size, drop_remainder=True)
-  lo = shard_index * batch_size
-  rows = grain.MapDataset.range(0, len(glob)).map(
-      lambda k: (k // batch_size) * batch_size * shard_count + lo + k % batch_size)
-  return rows.map(lambda j: glob[j]).batch(batch_size, drop_remainder=True)
+  """Infinite grain dataset of this host's batches: all windows, reshuffled every epoch."""
+  stream = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+  return host_batches(stream, batch_size, shard_index, shard_count)
 
 
 def batch_iterator(ds: grain.MapDataset):
   """A checkpointable iterator over ds (get_state/set_state) with bounded prefetch."""
   return iter(ds.to_iter_dataset(READ_OPTIONS))
+
+
+class Curriculum:
+  """Training windows in a fixed order of stages of rising difficulty, then the full task.
+
+  Window n of the stream comes from stage min(n // per_stage, last); stage j < last holds
+  programs with k <= k_max[j], the last stage is the ordinary training split. Each stage
+  is read in a shuffled order (reshuffled every pass, a pure function of (seed, stage,
+  pass)), so the stream is deterministic and an index is all a resumed iterator needs.
+  """
+
+  def __init__(self, stages: list[Windows], per_stage: int, seed: int):
+    self.stages, self.per_stage, self.seed = stages, per_stage, seed
+    self._perm = {}
+
+  def __len__(self) -> int:
+    return 2 ** 40  # unbounded: the last stage repeats
+
+  def _order(self, j: int, rnd: int) -> np.ndarray:
+    if (j, rnd) not in self._perm:
+      if len(self._perm) > 64:
+        self._perm.clear()
+      rng = np.random.default_rng([self.seed, j, rnd])
+      self._perm[(j, rnd)] = rng.permutation(len(self.stages[j]))
+    return self._perm[(j, rnd)]
+
+  def __getitem__(self, n: int) -> dict[str, np.ndarray]:
+    j = min(int(n) // self.per_stage, len(self.stages) - 1)
+    m = int(n) - j * self.per_stage
+    size = len(self.stages[j])
+    return self.stages[j][int(self._order(j, m // size)[m % size])]
+
+
+def curriculum_stages(cfg, tok, seq_len: int, answers_only: bool) -> list[Windows]:
+  """Windows of the easier stages (k <= 2, 3, ..., max_hops - 1) of a compose corpus."""
+  out = []
+  for j, k_max in enumerate(range(2, cfg.synth_max_hops)):
+    split = synthetic.generate(cfg.synth_examples, k_max, cfg.synth_num_vars, cfg.seed,
+                               synthetic.VAL_STREAM + 1 + j, task=cfg.synth_task,
+                               num_ops=cfg.synth_num_ops)
+    out.append(_windows(f'curriculum k<={k_max}', (split.ids, split.difficulty), tok,
+                        seq_len, 'synthetic', answers_only))
+  return out
 
 
 def fixed_batches(windows: Windows, batch_size: int, n: int | None) -> list[dict]:
@@ -151,7 +200,8 @@ def _synthetic_streams(cfg, vocab_size, workdir):
   del workdir
   train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
                                      cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
-                                     getattr(cfg, 'synth_task', 'binding'))
+                                     getattr(cfg, 'synth_task', 'binding'),
+                                     getattr(cfg, 'synth_num_ops', 4))
   tokenizer_lib.check_vocab(vocab, vocab_size)
   return 'synthetic', vocab, (train.ids, train.difficulty), (val.ids, val.difficulty)
 
@@ -232,7 +282,14 @@ def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=N
       data_cfg, vocab_size, workdir, seq_len)
   if len(train_w) < shard_count:
     raise DataError(f'{origin}: {len(train_w)} training windows for {shard_count} hosts')
-  train_ds = train_dataset(train_w, batch_size, data_cfg.seed, shard_index, shard_count)
+  if getattr(data_cfg, 'synth_curriculum', 0) and origin == 'synthetic':
+    answers = getattr(data_cfg, 'loss_on', 'all') == 'answers'
+    stages = curriculum_stages(data_cfg, tok, seq_len, answers) + [train_w]
+    train_ds = host_batches(grain.MapDataset.source(
+        Curriculum(stages, data_cfg.synth_curriculum, data_cfg.seed)), batch_size,
+        shard_index, shard_count)
+  else:
+    train_ds = train_dataset(train_w, batch_size, data_cfg.seed, shard_index, shard_count)
   stats = {'origin': origin, 'tokenizer': getattr(tok, 'origin', 'synthetic vocabulary'),
            'cap': f'at most {data_cfg.max_docs} documents per part (data.max_docs)'
                   if data_cfg.max_docs else '', **stats,

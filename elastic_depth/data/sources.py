@@ -186,7 +186,8 @@ def load_synthetic(cfg) -> Corpus:
   """Synthetic programs as space-separated strings (prepare_data's synthetic source)."""
   train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
                                      cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
-                                     getattr(cfg, 'synth_task', 'binding'))
+                                     getattr(cfg, 'synth_task', 'binding'),
+                                     getattr(cfg, 'synth_num_ops', 4))
   return Corpus(train.docs(vocab), val.docs(vocab), 'synthetic')
 
 
