@@ -176,6 +176,7 @@ def test_curriculum_raises_k_stage_by_stage_and_resumes():
   state = ds.train_iter.get_state()
   want = next(ds.train_iter)
   again = pipeline.build(cfg, seq_len=32, batch_size=2, vocab_size=64)
-  got = next(again.new_train_iter(state))
+  again.train_iter.set_state(state)
+  got = next(again.train_iter)
   for key in want:
     np.testing.assert_array_equal(got[key], want[key])
