@@ -89,6 +89,12 @@ def _variants(mdl, depth: int, ecfg, sched):
           'a1_compact': run(inference.compact_exit_loop(ecfg, schedule_BxL=sched))}
 
 
+def paired_saving(times, base_times) -> float:
+  """Median over repeats of 1 - t / t_base within the same interleaved round (robust to
+  load that drifts between rounds)."""
+  return statistics.median(1.0 - t / b for t, b in zip(times, base_times))
+
+
 def bench(name: str, mdl, depth: int, toks) -> dict:
   """Times the three variants interleaved and does the books."""
   b, l = toks.shape
@@ -118,8 +124,11 @@ def bench(name: str, mdl, depth: int, toks) -> dict:
   for base in ('a0', 'a1_masked'):
     w = saving(med['a1_compact'], med[base])
     w_min = saving(min(times['a1_compact']), min(times[base]))
+    w_pair = paired_saving(times['a1_compact'], times[base])
     fl = saving(flops['a1_compact'], flops[base])
     ratios[f'vs_{base}'] = dict(wall_saving=w, flop_saving=fl, wall_saving_min=w_min,
+                                wall_saving_paired=w_pair,
+                                realized_over_flop_paired=w_pair / fl if fl > 0 else None,
                                 realized_over_flop=w / fl if fl > 0 else None,
                                 realized_over_flop_min=w_min / fl if fl > 0 else None)
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
