@@ -2,7 +2,8 @@
 
   python -m experiments.bench_exit                        # random models at S and P
   python -m experiments.bench_exit --shapes=S --repeats=5 --fake_exit_fraction=0.25
-  python -m experiments.bench_exit --workdir=runs/ts8 --eps=1e-3   # a trained checkpoint
+  python -m experiments.bench_exit --workdir=DIR --eps=1e-3 --fake_exit_fraction=0
+      # a trained checkpoint, on random token ids (untested: no checkpoint was at hand)
 
 Variants, timed interleaved (A0, masked, compacted, A0, ...; medians):
   a0          uniform depth (--depth, or the checkpoint's training mean), no checks;
