@@ -122,7 +122,8 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   on all tokens and its output is gathered. Depths and logits equal exit_loop's.
   The aux output has .depth, .kv, .loops, .slots (executed query slots), .traces ({}).
   """
-  if trace or targets_BxL is not None:
+  del targets_BxL  # only read by traces
+  if trace:
     raise ValueError('error: per-loop traces need exit.engine=masked')
   policy = ExitPolicy(cfg.policy)
   needs_head = policy in (ExitPolicy.KL, ExitPolicy.REVERSE_KL)
