@@ -33,6 +33,12 @@ class AttentionIn(str, enum.Enum):
                  # of work between positions has to be done by the loops
 
 
+class ExitEngine(str, enum.Enum):
+  """How teacher-forced scoring runs the exit loop (see inference.py)."""
+  MASKED = 'masked'        # every loop runs all B x L tokens; exited ones are masked
+  COMPACTED = 'compacted'  # every loop gathers the active tokens and runs only those
+
+
 class NanPolicy(str, enum.Enum):
   """What the training loop does on a non-finite loss or gradient."""
   STOP = 'stop'
@@ -153,6 +159,7 @@ class ExitConfig:
   gate: float = 0.0          # decode: run the KL check only when the relative state
                              # change is below this (0: check every eligible loop)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
+  engine: ExitEngine = ExitEngine.MASKED  # score/prefill: masked or compacted loop
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import losses, policies, recurrence
-from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy
 from elastic_depth.model import LoopedLM
 
 
@@ -64,8 +64,9 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
   Returns:
     ScoreResult with logits_BxLxV computed by the coda on the final states.
   """
-  out = model.forward(tokens_BxL, rng, exit_loop(
-      cfg, router=router, targets_BxL=targets_BxL, trace=trace, exit_mask_BxL=exit_mask_BxL))
+  engine = _ENGINES[ExitEngine(cfg.engine)]
+  out = model.forward(tokens_BxL, rng, engine(cfg, router=router, targets_BxL=targets_BxL,
+                                              trace=trace, exit_mask_BxL=exit_mask_BxL))
   res = out.aux
   return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.e, out.state,
                      out.prelude_kv, out.coda_kv)
@@ -80,13 +81,15 @@ def _masked_check(check_fn, exit_mask_BxL):
 
 
 def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
-              exit_mask_BxL=None):
+              exit_mask_BxL=None, active_BxL=None, schedule_BxL=None):
   """Loop policy for LoopedLM.forward: per-token early exit in parallel semantics.
 
   With exit_mask_BxL, only tokens where it is True may exit early (the others run to the
   maximum); the rule is still evaluated everywhere.
 
   The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
+  active_BxL: initial mask (padding starts inactive); schedule_BxL: benchmarks only,
+  the policy's check still runs but a token exits at the first allowed loop >= schedule.
   """
   def loop(model: LoopedLM, s0, e, pos):
     b, l = s0.shape[:2]
@@ -103,11 +106,96 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace)
     if exit_mask_BxL is not None:
       check_fn = _masked_check(check_fn, exit_mask_BxL)
+    if schedule_BxL is not None:
+      check_fn = policies.scheduled(check_fn, lambda: schedule_BxL)
     res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                                 min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
-                                check_every=cfg.check_every, trace=trace)
+                                check_every=cfg.check_every, active0=active_BxL,
+                                trace=trace)
     return res.state, res
   return loop
+
+
+def _scatter_kv(kv_prev, idx_BxC, pos_BxL, pos_BxC):
+  """kv_fn for gathered queries: their fresh (k, v) overwrite the row's buffers [B, L, G, K]."""
+  def fn(k, v):
+    ks = recurrence.scatter_rows(kv_prev[0], idx_BxC, k)
+    vs = recurrence.scatter_rows(kv_prev[1], idx_BxC, v)
+    return ks, vs, (pos_BxL[:, None, :] <= pos_BxC[:, :, None])[:, None]
+  return fn
+
+
+def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
+                      exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
+                      steps: int = 8):
+  """Loop policy: the same per-token exit as `exit_loop`, run on the active tokens only.
+
+  Each loop gathers every row's active tokens into a buffer of one of
+  `recurrence.capacities(L, steps)` slots; the core runs on them (queries) against the
+  whole row's keys/values (fresh ones scattered into the per-block frozen buffers),
+  and so do the exit check's head and KL. With at most one coda block the coda is
+  compacted too (an exited token's coda keys/values depend on its frozen state only);
+  with more, later coda blocks' keys/values depend on other tokens, so the coda runs
+  on all tokens and its output is gathered. Depths and logits equal exit_loop's.
+  The aux output has .depth, .kv, .loops, .slots (executed query slots), .traces ({}).
+  """
+  del targets_BxL  # only read by traces
+  if trace:
+    raise ValueError('error: per-loop traces need exit.engine=masked')
+  policy = ExitPolicy(cfg.policy)
+  needs_head = policy in (ExitPolicy.KL, ExitPolicy.REVERSE_KL)
+
+  def loop(model: LoopedLM, s0, e, pos):
+    c = model.cfg
+    zeros = jnp.zeros(s0.shape[:2] + (c.num_kv_heads, c.head_dim), e.dtype)
+    compact_coda = needs_head and c.n_coda <= 1
+    coda_kv0 = model.decode_state(s0, pos)[1] if compact_coda else []
+    h0 = jnp.zeros_like(s0) if needs_head else jnp.zeros((), s0.dtype)
+    check_fn, _ = policies.make_check_fn(policy, eps=cfg.eps, readout=lambda x: x,
+                                         w_VxD=model.head_weight(), router=router,
+                                         use_kernel=cfg.use_kernel)
+
+    def step(idx, s, carry, i):
+      kv, coda_kv, h = carry
+      g = lambda x: recurrence.gather_rows(x, idx)
+      pos_c, s_c = g(pos), g(s)
+      s_new, kv = model.core_step(s_c, g(e), pos_c,
+                                  [_scatter_kv(x, idx, pos, pos_c) for x in kv])
+      h_new = h
+      if compact_coda:
+        h_new, coda_kv = model.decode_state(
+            s_new, pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in coda_kv])
+      elif needs_head:
+        h_new = g(model.decode_state(recurrence.scatter_rows(s, idx, s_new), pos)[0])
+      # KL policies read h through the identity readout (their state change is unused)
+      want, _, _ = check_fn(h_new if needs_head else s_new, s_c,
+                            g(h) if needs_head else h, i)
+      if exit_mask_BxL is not None:
+        want = want & g(exit_mask_BxL)
+      if schedule_BxL is not None:
+        want = i >= g(schedule_BxL)
+      if needs_head:
+        h = recurrence.scatter_rows(h, idx, h_new)
+      return s_new, want, (kv, coda_kv, h)
+
+    res = recurrence.early_exit_compacted(
+        step, s0, ([(zeros, zeros) for _ in range(c.n_core)], coda_kv0, h0),
+        caps=recurrence.capacities(s0.shape[1], steps), min_loops=cfg.min_loops,
+        max_loops=_max_loops(cfg), check_every=cfg.check_every, active0=active_BxL)
+    return res.state, CompactAux(res.depth, res.carry[0], res.loops, res.slots, {})
+  return loop
+
+
+class CompactAux(NamedTuple):
+  """Aux output of compact_exit_loop (the fields score and prefill read, and slots)."""
+  depth: jax.Array
+  kv: Any
+  loops: jax.Array
+  slots: jax.Array
+  traces: Any
+
+
+_ENGINES = {ExitEngine.MASKED: exit_loop, ExitEngine.COMPACTED: compact_exit_loop}
 
 
 # ----------------------------------------------------------------------------
