@@ -25,6 +25,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import bench_util
 from elastic_depth import config as config_lib, model as model_lib
 from elastic_depth.config import DataConfig
 from elastic_depth.data import pipeline, shards, sources, tokenizer as tokenizer_lib
@@ -172,10 +173,7 @@ def main(argv):
   supply = min(result['input_prepared_sample']['tokens_per_s'],
                result['input_sparse_corpus']['tokens_per_s'])
   result['input_over_demand'] = supply / demand['tokens_per_s']
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=1)
-  print(json.dumps(result, indent=1))
+  bench_util.write_json(_OUT.value, result, echo=True)
 
 
 if __name__ == '__main__':

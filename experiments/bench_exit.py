@@ -22,7 +22,6 @@ realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against
 """
 
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -218,9 +217,7 @@ def main(argv):
   out = dict(backend=jax.default_backend(), machine=os.environ.get(
       'BENCH_MACHINE', '2-core AMD EPYC, AVX2, shared'), date=time.strftime('%Y-%m-%d %H:%M'),
              runs=runs)
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w', encoding='utf-8') as f:
-    json.dump(out, f, indent=1, default=str)
+  bench_util.write_json(_OUT.value, out)
   md = os.path.splitext(_OUT.value)[0] + '.md'
   with open(md, 'w', encoding='utf-8') as f:
     f.write(markdown(out))

@@ -82,16 +82,6 @@ def options_from_flags() -> Options:
                  seed=_F.seed, tag=_F.tag, progress=not _F.quiet, data=data)
 
 
-def floats(values, name: str) -> Optional[list[float]]:
-  """A list flag of numbers (None stays None); SetupError naming the flag otherwise."""
-  if values is None:
-    return None
-  try:
-    return [float(x) for x in values]
-  except ValueError as e:
-    raise SetupError(f'--{name}: {e}') from None
-
-
 def config_from_dict(d: dict, cls=Config) -> Any:
   """Rebuilds a (nested) config dataclass from config_dict output; unknown keys warned."""
   base = cls()
