@@ -132,7 +132,11 @@ def test_a_killed_peer_stops_the_other_process(tmp_path):
     procs[0].kill()
     pytest.fail('the surviving process hung after its peer was killed')
   assert time.time() - t0 < 120
-  assert procs[0].returncode == 3, err[-3000:]
+  assert procs[0].returncode != 0
+  # Either a collective fails first (our one line, exit 3), or, when the survivor waits
+  # outside a socket read, jax's coordination service stops it after the heartbeat
+  # timeout with its own fatal message naming the cause.
   lines = err.strip().splitlines()
-  assert lines[-1].startswith('error: process 0 of 2: a peer process'), err[-3000:]
-  assert 'Traceback' not in err and 'Check failure' not in err
+  ours = lines[-1].startswith('error: process 0 of 2: a peer process failed')
+  assert ours == (procs[0].returncode == 3), err[-3000:]
+  assert ours or 'another task died' in err, err[-3000:]
