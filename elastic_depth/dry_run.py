@@ -67,7 +67,7 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, mfu: float = 0.45,
         remat_choices: tuple[bool, ...] = (True, False)) -> dict:
   """Preflight checks, then the plan and the compiled memory for each remat choice."""
   train.preflight(cfg, workdir, resume)
-  mesh = distributed.mesh_for(cfg.train)
+  mesh = distributed.make_mesh(fsdp=cfg.train.fsdp)
   out: dict[str, Any] = {'plan': plan(cfg, mfu), 'backend': jax.default_backend(),
                          'devices': jax.device_count(), 'mesh': dict(mesh.shape)}
   for remat in remat_choices:

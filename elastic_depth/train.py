@@ -144,7 +144,7 @@ def config_dict(cfg: Config) -> dict:
 def place_state(state: TrainState, mesh: Mesh, t: Optional[TrainConfig] = None
                 ) -> TrainState:
   """Puts the state on the mesh by the sharding rules (so the first step does not recompile)."""
-  return distributed.place(state, distributed.state_shardings(state, mesh, t or TrainConfig()))
+  return jax.device_put(state, distributed.state_shardings(state, mesh, t or TrainConfig()))
 
 
 @dataclasses.dataclass
@@ -251,7 +251,7 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
   mngr, ds = preflight(cfg, workdir, resume)
   if mngr is None:
     mngr = checkpoint.manager(workdir, t.keep_checkpoints)
-  mesh = distributed.mesh_for(t)
+  mesh = distributed.make_mesh(fsdp=t.fsdp)
   graphdef, state = init_state(cfg, t.seed)
   if resume:
     start, state = _restore(mngr, state, mesh, cfg, ds)
