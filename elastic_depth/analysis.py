@@ -81,23 +81,32 @@ def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
                          trace=True).traces
 
 
-def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
-                   min_loops: int, r_max: int, gate: float = 0.0):
-  """(NLL_BxL, inference.Counts) under an exit policy (what policy_curve jits; eps is traced)."""
+def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
+                   policy: ExitPolicy, min_loops: int, r_max: int, gate: float = 0.0,
+                   mask_only: bool = False):
+  """(NLL_BxL, inference.Counts) under an exit policy (what policy_curve jits; eps is traced).
+
+  With mask_only, only the tokens of mask_BxL (e.g. answer tokens) may exit early.
+  """
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=1, gate=gate)
-  res = inference.score(model, inputs_BxL, cfg, key, router=router)
+  res = inference.score(model, inputs_BxL, cfg, key, router=router,
+                        exit_mask_BxL=(mask_BxL > 0) if mask_only else None)
   return losses.nll(res.logits, targets_BxL), res.counts
 
 
-_trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
-def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: ExitPolicy,
-                   min_loops: int, r_max: int, gate: float = 0.0):
+def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
+                   policy: ExitPolicy, min_loops: int, r_max: int, gate: float = 0.0,
+                   mask_only: bool = False):
   """policy_outputs in cached semantics: token 0 prefilled, then decode_step per token.
 
   Counts cover the decoded positions 1..L-1 (batch passes: [L-1], per token [B, L-1]);
   `depth` covers every position.
   """
+  del mask_BxL
+  if mask_only:
+    raise ValueError('cached semantics has no exit mask: every decoded token may exit '
+                     '(use semantics=parallel for curves whose exits are limited to answers)')
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=1, gate=gate)
   toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
@@ -107,7 +116,8 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, *, policy: 
   return losses.nll(logits, targets_BxL), n._replace(depth=jnp.concatenate([depth0, n.depth], 1))
 
 
-_statics = ('policy', 'min_loops', 'r_max', 'gate')
+_trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
+_statics = ('policy', 'min_loops', 'r_max', 'gate', 'mask_only')
 _RUNS = {Semantics.PARALLEL: nnx.jit(policy_outputs, static_argnames=_statics),
          Semantics.CACHED: nnx.jit(cached_outputs, static_argnames=_statics)}
 
@@ -245,6 +255,7 @@ class Curve(NamedTuple):
   min_loops: int = 1
   semantics: Semantics = Semantics.PARALLEL
   gate: float = 0.0  # gated_kl's state-change gate
+  mask_only: bool = False  # only scored (mask) tokens may exit; the others run R loops
 
 
 def executed_flops(mcfg, core, coda, head, seq_len: int):
@@ -285,7 +296,8 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   _check_fp32(model)
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
   run = functools.partial(_RUNS[Semantics(curve.semantics)], policy=policy,
-                          min_loops=min_loops, r_max=r_max, gate=float(curve.gate))
+                          min_loops=min_loops, r_max=r_max, gate=float(curve.gate),
+                          mask_only=curve.mask_only)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
                          'mean_core_passes', 'mean_readouts', 'share_max_depth')}
@@ -297,7 +309,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
         n, c = jax.device_get(run(
             model, jnp.asarray(b['inputs'], jnp.int32),
             jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
-            curve.router))
+            curve.router, jnp.asarray(b['mask'], jnp.float32)))
         nll.append(n)
         counts.append(c)
       cat = lambda name: np.concatenate([getattr(c, name) for c in counts])

@@ -20,7 +20,6 @@ Fault model (see WORKSPACE.md, "Faults and bad input"):
 
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from elastic_depth.config import Config, ModelConfig
+from elastic_depth.data.tokenizer import tokenizer_info
 
 CORRUPT_DIR = 'corrupt_checkpoints'
 WEIGHTS_ONLY = 'weights_only'  # meta key of checkpoints that hold no optimizer state
@@ -78,19 +78,6 @@ def state_checksum(state: Any) -> Optional[str]:
     crc = zlib.crc32(f'{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape};'.encode(), crc)
     crc = zlib.crc32(a.view(np.uint8).reshape(-1) if a.size else b'', crc)
   return f'{crc:08x}'
-
-
-def tokenizer_info(tok) -> dict:
-  """vocab_size, eos_id and a SHA-256 fingerprint of the token -> id table."""
-  if hasattr(tok, 'tok'):  # HFTokenizer
-    table = sorted(tok.tok.get_vocab(with_added_tokens=True).items())
-  elif hasattr(tok, 'tokens'):  # SyntheticVocab
-    table = list(enumerate(tok.tokens))
-  else:
-    table = [tok.vocab_size]
-  digest = hashlib.sha256(json.dumps(table).encode('utf-8')).hexdigest()[:16]
-  return {'vocab_size': int(tok.vocab_size), 'eos_id': int(tok.eos_id), 'fingerprint': digest,
-          'origin': str(getattr(tok, 'origin', 'synthetic vocabulary'))}
 
 
 def check_tokenizer(saved: Optional[dict], tok, where: str) -> None:

@@ -33,6 +33,19 @@ class Semantics(str, enum.Enum):
   CACHED = 'cached'      # inference.score_cached: token by token through decode_step
 
 
+class AttentionIn(str, enum.Enum):
+  """Which blocks mix positions (the others are MLP-only)."""
+  ALL = 'all'    # every block has attention
+  CORE = 'core'  # only the shared core: prelude and coda are MLP-only, so every step
+                 # of work between positions has to be done by the loops
+
+
+class ExitEngine(str, enum.Enum):
+  """How teacher-forced scoring runs the exit loop (see inference.py)."""
+  MASKED = 'masked'        # every loop runs all B x L tokens; exited ones are masked
+  COMPACTED = 'compacted'  # every loop gathers the active tokens and runs only those
+
+
 class NanPolicy(str, enum.Enum):
   """What the training loop does on a non-finite loss or gradient."""
   STOP = 'stop'
@@ -55,6 +68,7 @@ class ModelConfig:
   rope_theta: float = 10000.0
   tie_embeddings: bool = True
   init_state: InitState = InitState.RANDOM
+  attention: AttentionIn = AttentionIn.ALL  # all | core (MLP-only prelude and coda)
   init_std: float = 0.02
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6
@@ -84,8 +98,8 @@ class DepthConfig:
 @dataclasses.dataclass
 class DataConfig:
   """Where tokens come from (see elastic_depth/data)."""
-  source: str = 'synthetic'  # synthetic | text | hf | tfds
-  paths: str = ''            # file, glob or comma-separated list (text source)
+  source: str = 'synthetic'  # synthetic | text | hf | tfds | tokens (prepared shards)
+  paths: str = ''            # file, glob or comma-separated list (text); DIR (tokens)
   val_paths: str = ''        # optional separate validation files
   text_field: str = 'text'   # jsonl key / parquet column
   separator: str = '<|endoftext|>'
@@ -95,7 +109,7 @@ class DataConfig:
   tfds_data_dir: str = ''    # where the TFDS dataset was prepared (array_record)
   tokenizer: str = 'train'   # 'train' (byte-level BPE on the corpus), a path, or a hub name
   val_fraction: float = 0.05
-  max_docs: int = 0          # 0: all
+  max_docs: int = 0          # documents per part (paths, val_paths, split); 0: all
   seed: int = 0
   # synthetic generator (see elastic_depth/data/synthetic.py)
   synth_task: str = 'compose'  # compose (k permutations in order) | binding (k-hop lookup)
@@ -103,6 +117,9 @@ class DataConfig:
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16
+  synth_num_ops: int = 4       # compose: fixed digit permutations (op symbols)
+  synth_curriculum: int = 0    # compose: training windows per curriculum stage; stage j
+                               # draws k from 1..min(2 + j, synth_max_hops) (0: no curriculum)
 
 
 @dataclasses.dataclass
@@ -149,6 +166,7 @@ class ExitConfig:
   gate: float = 0.0          # gated_kl: consult the KL only where the relative state
                              # change is below this (0: check every eligible loop)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
+  engine: ExitEngine = ExitEngine.MASKED  # score/prefill: masked or compacted loop
 
 
 @dataclasses.dataclass
@@ -225,7 +243,8 @@ RANGES = {
                   buckets=AT_LEAST_1, backprop_depth=NON_NEGATIVE),
     'data': dict(val_fraction=OPEN_UNIT, max_docs=NON_NEGATIVE, seed=NON_NEGATIVE,
                  synth_examples=AT_LEAST_1, synth_max_hops=AT_LEAST_1,
-                 synth_num_vars=AT_LEAST_1),
+                 synth_num_vars=AT_LEAST_1, synth_num_ops=AT_LEAST_1,
+                 synth_curriculum=NON_NEGATIVE),
     'train': dict(seed=NON_NEGATIVE, steps=AT_LEAST_1, batch_size=AT_LEAST_1,
                   seq_len=AT_LEAST_1, grad_accum=AT_LEAST_1, tokens_per_step=NON_NEGATIVE,
                   lr=POSITIVE, min_lr_ratio=UNIT, warmup_steps=NON_NEGATIVE,

@@ -74,11 +74,6 @@ def make_mesh(devices: Optional[Sequence[Any]] = None, *, fsdp: int = 1) -> Mesh
   return Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), BATCH_AXES)
 
 
-def mesh_for(t: TrainConfig) -> Mesh:
-  """The mesh a training config asks for, over every process's devices."""
-  return make_mesh(fsdp=t.fsdp)
-
-
 def logical_axes(name: str) -> tuple[str, ...]:
   """Logical axes from a shape suffix: 'wq_DxHxK' -> ('D', 'H', 'K'); none -> ()."""
   m = _SUFFIX.search(name)
@@ -107,11 +102,6 @@ def state_shardings(state: Any, mesh: Mesh, t: TrainConfig) -> Any:
   fsdp = mesh.shape['fsdp']
   return jax.tree_util.tree_map_with_path(
       lambda p, x: NamedSharding(mesh, leaf_spec(p, x, t.fsdp_axis, fsdp)), state)
-
-
-def place(state: Any, shardings: Any) -> Any:
-  """Puts a host (or single-device) state onto its shardings."""
-  return jax.device_put(state, shardings)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

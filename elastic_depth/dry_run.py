@@ -63,13 +63,14 @@ def plan(cfg: Config, mfu: float = 0.45) -> dict:
           'hours_one_device': hours}
 
 
-def run(cfg: Config, workdir: str, *, resume: bool = False, mfu: float = 0.45) -> dict:
-  """Preflight checks, then the plan and the compiled memory with remat on and off."""
+def run(cfg: Config, workdir: str, *, resume: bool = False, mfu: float = 0.45,
+        remat_choices: tuple[bool, ...] = (True, False)) -> dict:
+  """Preflight checks, then the plan and the compiled memory for each remat choice."""
   train.preflight(cfg, workdir, resume)
-  mesh = distributed.mesh_for(cfg.train)
+  mesh = distributed.make_mesh(fsdp=cfg.train.fsdp)
   out: dict[str, Any] = {'plan': plan(cfg, mfu), 'backend': jax.default_backend(),
                          'devices': jax.device_count(), 'mesh': dict(mesh.shape)}
-  for remat in (True, False):
+  for remat in remat_choices:
     c = dataclasses.replace(cfg, depth=dataclasses.replace(cfg.depth, remat=remat))
     out[f'remat_{"on" if remat else "off"}'] = compiled_memory(c, mesh)
   return out
@@ -85,6 +86,8 @@ def describe(res: dict) -> str:
            'per-device memory of the compiled step (GiB): arguments / outputs / '
            'temporaries / peak']
   for k in ('remat_on', 'remat_off'):
+    if k not in res:
+      continue
     m = res[k]
     lines.append(f"  {k}: {m['argument_size_in_bytes'] / GIB:.2f} / "
                  f"{m['output_size_in_bytes'] / GIB:.2f} / {m['temp_size_in_bytes'] / GIB:.2f}"

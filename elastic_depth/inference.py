@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import losses, model as model_lib, policies, recurrence
-from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy
 from elastic_depth.model import LoopedLM
 
 
@@ -70,7 +70,8 @@ def _max_loops(cfg: ExitConfig) -> int:
 
 def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Array, *,
           targets_BxL: Optional[jax.Array] = None,
-          router: Optional[policies.Router] = None, trace: bool = False) -> ScoreResult:
+          router: Optional[policies.Router] = None, trace: bool = False,
+          exit_mask_BxL: Optional[jax.Array] = None) -> ScoreResult:
   """Scores a batch with per-token early exit in parallel semantics.
 
   Args:
@@ -81,20 +82,37 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
     targets_BxL: next tokens; with trace, per-loop NLL is recorded.
     router: A2 probe (policy 'router', or to trace its probability).
     trace: record per-loop stats (run with policy 'uniform' for full traces).
+    exit_mask_BxL: tokens the policy may stop (None: all); the others run max_loops
+      (e.g. the exit decision taken on answer tokens only).
   Returns:
     ScoreResult with logits_BxLxV computed by the coda on the final states.
   """
-  out = model.forward(tokens_BxL, rng, exit_loop(cfg, router=router, targets_BxL=targets_BxL,
-                                                 trace=trace))
+  engine = _ENGINES[ExitEngine(cfg.engine)]
+  out = model.forward(tokens_BxL, rng, engine(cfg, router=router, targets_BxL=targets_BxL,
+                                              trace=trace, exit_mask_BxL=exit_mask_BxL))
   res = out.aux
   return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.e, out.state,
-                     out.prelude_kv, out.coda_kv, _counts(res))
+                     out.prelude_kv, out.coda_kv, res.counts)
 
 
-def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False):
+def _masked_check(check_fn, exit_mask_BxL):
+  """A check whose exit decisions are limited to the positions of exit_mask_BxL."""
+  def check(*args):
+    ex, carry, stats = check_fn(*args)
+    return ex & exit_mask_BxL, carry, stats
+  return check
+
+
+def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
+              exit_mask_BxL=None, active_BxL=None, schedule_BxL=None):
   """Loop policy for LoopedLM.forward: per-token early exit in parallel semantics.
 
+  With exit_mask_BxL, only tokens where it is True may exit early (the others run to the
+  maximum); the rule is still evaluated everywhere.
+
   The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
+  active_BxL: initial mask (padding starts inactive); schedule_BxL: benchmarks only,
+  the policy's check still runs but a token exits at the first allowed loop >= schedule.
   """
   def loop(model: LoopedLM, s0, e, pos):
     b, l = s0.shape[:2]
@@ -110,11 +128,119 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
         min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate)
+    if exit_mask_BxL is not None:
+      check_fn = _masked_check(check_fn, exit_mask_BxL)
+    if schedule_BxL is not None:
+      check_fn = policies.scheduled(check_fn, lambda: schedule_BxL)
     res = recurrence.early_exit(masked_step, check_fn, s0, kv0, carry0(s0),
                                 min_loops=cfg.min_loops, max_loops=_max_loops(cfg),
-                                check_every=cfg.check_every, trace=trace, return_check=True)
-    return res.state, res
+                                check_every=cfg.check_every, active0=active_BxL,
+                                trace=trace, return_check=True)
+    return res.state, res._replace(counts=_counts(res))
   return loop
+
+
+def _scatter_kv(kv_prev, idx_BxC, pos_BxL, pos_BxC):
+  """kv_fn for gathered queries: their fresh (k, v) overwrite the row's buffers [B, L, G, K]."""
+  def fn(k, v):
+    ks = recurrence.scatter_rows(kv_prev[0], idx_BxC, k)
+    vs = recurrence.scatter_rows(kv_prev[1], idx_BxC, v)
+    return ks, vs, (pos_BxL[:, None, :] <= pos_BxC[:, :, None])[:, None]
+  return fn
+
+
+def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
+                      exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
+                      steps: int = 8):
+  """Loop policy: the same per-token exit as `exit_loop`, run on the active tokens only.
+
+  Each loop gathers every row's active tokens into a buffer of one of
+  `recurrence.capacities(L, steps)` slots; the core runs on them (queries) against the
+  whole row's keys/values (fresh ones scattered into the per-block frozen buffers),
+  and so do the exit check's readout, head and KL (only at the loops a check reads, as
+  in `policies.make_check_fn`). With at most one coda block the coda is compacted too
+  (an exited token's coda keys/values are those of its last readout, which ran on its
+  final state); with more, later coda blocks' keys/values depend on other tokens, so the
+  coda runs on all tokens and its output is gathered. Depths and logits equal exit_loop's.
+  The aux output is a CompactAux (counts in executed token slots / (B x L)).
+  """
+  del targets_BxL  # only read by traces
+  if trace:
+    raise ValueError('error: per-loop traces need exit.engine=masked')
+  policy = ExitPolicy(cfg.policy)
+  needs_head = policy in (ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.REVERSE_KL)
+  first = max(cfg.min_loops, 2)
+  is_check = lambda i: (i >= first) & ((i - cfg.min_loops) % cfg.check_every == 0)
+
+  def loop(model: LoopedLM, s0, e, pos):
+    c = model.cfg
+    b, l = s0.shape[:2]
+    zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
+    compact_coda = needs_head and c.n_coda <= 1
+    # tokens inactive from the start offer the coda keys/values of their initial state
+    pad = compact_coda and active_BxL is not None
+    coda_kv0 = (model.decode_state(s0, pos)[1] if pad else
+                [(zeros, zeros)] * c.n_coda if compact_coda else [])
+    _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
+                                       use_kernel=cfg.use_kernel)
+
+    def step(idx, s, carry, i):
+      kv, coda_kv, chk, n_coda, n_head = carry
+      g = lambda x: recurrence.gather_rows(x, idx)
+      put = lambda x, y: recurrence.scatter_rows(x, idx, y)
+      pos_c, s_c, valid = g(pos), g(s), idx < l
+      s_new, kv = model.core_step(s_c, g(e), pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in kv])
+      h_new = jnp.zeros((), s0.dtype)
+      if compact_coda:
+        h_new, coda_kv = lax.cond(is_check(i) | is_check(i + 1), lambda: model.decode_state(
+            s_new, pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in coda_kv]),
+                                  lambda: (jnp.zeros_like(s_new), coda_kv))
+      elif needs_head:
+        h_new = lax.cond(is_check(i) | is_check(i + 1),
+                         lambda: g(model.decode_state(put(s, s_new), pos)[0]),
+                         lambda: jnp.zeros_like(s_new))
+      check_fn, _ = policies.make_check_fn(
+          policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
+          router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
+          check_every=cfg.check_every, gate=cfg.gate)
+      chk_c = policies.CheckCarry(g(chk.prev) if needs_head else chk.prev, jnp.int32(0),
+                                  jnp.int32(0), g(chk.coda_BxL), g(chk.head_BxL))
+      want, chk_c, _ = check_fn(s_new, s_c, chk_c, i, valid)
+      chk = policies.CheckCarry(put(chk.prev, chk_c.prev) if needs_head else chk.prev,
+                                chk.coda, chk.head, put(chk.coda_BxL, chk_c.coda_BxL),
+                                put(chk.head_BxL, chk_c.head_BxL))
+      n_coda += chk_c.coda * b * (idx.shape[1] if compact_coda else l)
+      n_head += chk_c.head * b * idx.shape[1]
+      if exit_mask_BxL is not None:
+        want = want & g(exit_mask_BxL)
+      if schedule_BxL is not None:
+        want = i >= g(schedule_BxL)
+      return s_new, want, (kv, coda_kv, chk, n_coda, n_head)
+
+    carry = ([(zeros, zeros) for _ in range(c.n_core)], coda_kv0, carry0(s0),
+             jnp.int32(b * l if pad else 0), jnp.int32(0))
+    res = recurrence.early_exit_compacted(
+        step, s0, carry, caps=recurrence.capacities(l, steps), min_loops=cfg.min_loops,
+        max_loops=_max_loops(cfg), check_every=cfg.check_every, active0=active_BxL)
+    kv, _, chk, n_coda, n_head = res.carry
+    per = lambda n: n.astype(jnp.float32) / (b * l) + 1.0  # + the final readout
+    counts = Counts(res.slots.astype(jnp.float32) / (b * l), per(n_coda), per(n_head),
+                    res.depth, chk.coda_BxL + 1, chk.head_BxL + 1)
+    return res.state, CompactAux(res.depth, kv, res.loops, res.slots, {}, counts)
+  return loop
+
+
+class CompactAux(NamedTuple):
+  """Aux output of compact_exit_loop (the fields score and prefill read, and slots)."""
+  depth: jax.Array
+  kv: Any
+  loops: jax.Array
+  slots: jax.Array
+  traces: Any
+  counts: Counts  # executed work; batch passes are token slots / (B x L)
+
+
+_ENGINES = {ExitEngine.MASKED: exit_loop, ExitEngine.COMPACTED: compact_exit_loop}
 
 
 # ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from elastic_depth import recurrence
-from elastic_depth.config import DepthConfig, InitState, ModelConfig
+from elastic_depth.config import DepthConfig, AttentionIn, InitState, ModelConfig
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
 
@@ -120,17 +120,24 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Sandwich-norm transformer block."""
+  """Sandwich-norm transformer block (MLP-only when attention=False)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.norm1, self.norm2 = RMSNorm(cfg), RMSNorm(cfg)
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: bool = True):
     self.norm3, self.norm4 = RMSNorm(cfg), RMSNorm(cfg)
-    self.attn = Attention(cfg, rngs)
+    self.has_attn = attention
+    if attention:
+      self.norm1, self.norm2 = RMSNorm(cfg), RMSNorm(cfg)
+      self.attn = Attention(cfg, rngs)
     self.mlp = MLP(cfg, rngs)
+    self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
 
   def __call__(self, x_BxLxD, pos_BxL, kv_fn: Optional[KVFn] = None):
-    a, kv = self.attn(self.norm1(x_BxLxD), pos_BxL, kv_fn)
-    x = self.norm2(x_BxLxD + a)
+    if self.has_attn:
+      a, kv = self.attn(self.norm1(x_BxLxD), pos_BxL, kv_fn)
+      x = self.norm2(x_BxLxD + a)
+    else:  # no mixing between positions; zero keys/values keep the cache layout
+      x, z = x_BxLxD, jnp.zeros(x_BxLxD.shape[:2] + self.kv_shape, x_BxLxD.dtype)
+      kv = (z, z)
     x = self.norm4(x + self.mlp(self.norm3(x)))
     return x, kv
 
@@ -152,10 +159,11 @@ class LoopedLM(nnx.Module):
     d = cfg.d_model
     self.dtype = DTYPES[cfg.dtype]
     self.embed_VxD = _normal(rngs, (cfg.vocab_size, d), cfg.init_std)
-    self.prelude = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_prelude)])
+    outer = AttentionIn(cfg.attention) == AttentionIn.ALL  # attention outside the core
+    self.prelude = nnx.List([Block(cfg, rngs, outer) for _ in range(cfg.n_prelude)])
     self.adapter_2DxD = _normal(rngs, (2 * d, d), cfg.init_std)
     self.core = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_core)])
-    self.coda = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_coda)])
+    self.coda = nnx.List([Block(cfg, rngs, outer) for _ in range(cfg.n_coda)])
     self.final_norm = RMSNorm(cfg)
     if not cfg.tie_embeddings:
       self.head_VxD = _normal(rngs, (cfg.vocab_size, d), cfg.init_std)
@@ -317,10 +325,12 @@ def flops_per_token(cfg: ModelConfig, r: float, seq_len: int) -> dict:
   d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   proj = 2 * d * (2 * h * k + 2 * g * k)
   attn = 2 * 2 * h * k * seq_len / 2  # QK^T and AV over half the sequence on average
-  block = proj + attn + 2 * 3 * d * f
-  prelude = cfg.n_prelude * block
+  mlp = 2 * 3 * d * f
+  block = proj + attn + mlp
+  outer = block if AttentionIn(cfg.attention) == AttentionIn.ALL else mlp
+  prelude = cfg.n_prelude * outer
   loop = cfg.n_core * block + 2 * 2 * d * d
   head = 2 * d * cfg.vocab_size
-  check = cfg.n_coda * block + head
-  total = prelude + r * loop + cfg.n_coda * block + head
+  check = cfg.n_coda * outer + head
+  total = prelude + r * loop + cfg.n_coda * outer + head
   return dict(prelude=prelude, loop=loop, coda_head=check, head=head, total=total)

@@ -219,3 +219,12 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     return exit_map[policy](), carry, out_stats
 
   return check_fn, carry0
+
+
+def scheduled(check_fn: Callable, schedule_fn: Callable) -> Callable:
+  """check_fn whose decision is replaced by `i >= schedule_fn()` (synthetic exits for
+  benchmarks: the check still runs, so its cost is real)."""
+  def fn(s_new, s_old, carry, i, active=None):
+    _, carry, stats = check_fn(s_new, s_old, carry, i, active)
+    return i >= schedule_fn(), carry, stats
+  return fn

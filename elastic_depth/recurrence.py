@@ -128,3 +128,90 @@ def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0:
   i, s, kv, _, depth, check, traces = lax.while_loop(cond, body, init)
   return ExitResult(state=s, kv=kv, depth=depth, loops=i, traces=traces,
                     check=check if return_check else None)
+
+
+# ----------------------------------------------------------------------------
+# Compacted early exit: the core runs on the still-active tokens only.
+
+
+class CompactExitResult(NamedTuple):
+  """Output of early_exit_compacted."""
+  state: jax.Array         # final states, [B, L, D]
+  depth: jax.Array         # loops executed per token, int32 [B, L]
+  loops: jax.Array         # loops the while_loop ran, int32 []
+  slots: jax.Array         # query slots executed, sum over loops of B x capacity, int32 []
+  carry: Any               # final carry of step_fn
+
+
+def capacities(l: int, steps: int = 8) -> tuple[int, ...]:
+  """Static per-row buffer sizes: multiples of ceil(l / steps), and powers of two below."""
+  caps = {-(-l * k // steps) for k in range(1, steps + 1)}
+  j = 1
+  while j < l / steps:
+    caps.add(j)
+    j *= 2
+  return tuple(sorted(caps))
+
+
+def gather_rows(x_BxL: jax.Array, idx_BxC: jax.Array) -> jax.Array:
+  """x[b, idx[b, c], ...] (out-of-range indices read the last position)."""
+  idx = idx_BxC.reshape(idx_BxC.shape + (1,) * (x_BxL.ndim - 2))
+  return jnp.take_along_axis(x_BxL, idx, axis=1, mode='clip')
+
+
+def scatter_rows(x_BxL: jax.Array, idx_BxC: jax.Array, y_BxC: jax.Array) -> jax.Array:
+  """x with x[b, idx[b, c]] = y[b, c]; out-of-range indices (padding slots) are dropped."""
+  rows = jnp.arange(x_BxL.shape[0])[:, None]
+  return x_BxL.at[rows, idx_BxC].set(y_BxC.astype(x_BxL.dtype), mode='drop')
+
+
+def early_exit_compacted(step_fn: Callable, s0: jax.Array, carry0: Any, *,
+                         caps: Sequence[int], min_loops: int, max_loops: int,
+                         check_every: int = 1,
+                         active0: jax.Array | None = None) -> CompactExitResult:
+  """Per-token early exit that runs each loop on the active tokens only.
+
+  At every loop the active tokens of each row are gathered (in position order) into
+  a [B, C] buffer, C the smallest of `caps` that holds the fullest row (one
+  lax.switch branch per capacity); slots past a row's count point at position L and
+  are dropped when results are scattered back. Decisions follow `early_exit`.
+
+  Args:
+    step_fn: (idx_BxC, s_BxLxD, carry, i) -> (s_new_BxCxD, exit_BxC, carry): one loop
+      of the gathered tokens idx (i: 1-based loop index); it gathers what it needs.
+    s0: initial state [B, L, D].
+    carry0: initial carry of step_fn (full-size buffers it scatters into).
+    caps: static capacities, increasing, the last >= L.
+    min_loops, max_loops, check_every, active0: as in `early_exit`.
+  Returns:
+    CompactExitResult.
+  """
+  b, l = s0.shape[:2]
+  caps_C = jnp.asarray(caps, jnp.int32)
+
+  def branch(cap: int):
+    def run(i, s, active, carry):
+      idx = jax.vmap(lambda a: jnp.nonzero(a, size=cap, fill_value=l)[0])(active)
+      s_new, want, carry = step_fn(idx, s, carry, i)
+      want = scatter_rows(jnp.zeros((b, l), bool), idx, want)
+      return scatter_rows(s, idx, s_new), want, carry
+    return run
+  branches = [branch(cap) for cap in caps]
+
+  def cond(c):
+    return (c[0] < max_loops) & jnp.any(c[2])
+
+  def body(c):
+    i, s, active, depth, carry, slots = c
+    k = jnp.searchsorted(caps_C, jnp.max(jnp.sum(active, axis=1)))
+    i = i + 1
+    s, want, carry = lax.switch(k, branches, i, s, active, carry)
+    depth = depth + active.astype(jnp.int32)
+    may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
+    active = active & ~(want & may)
+    return i, s, active, depth, carry, slots + b * caps_C[k]
+
+  active = jnp.ones((b, l), bool) if active0 is None else active0
+  init = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0, jnp.int32(0))
+  i, s, _, depth, carry, slots = lax.while_loop(cond, body, init)
+  return CompactExitResult(state=s, depth=depth, loops=i, slots=slots, carry=carry)

@@ -183,7 +183,8 @@ def sweep_plot(res: dict):
       ax = fig.add_subplot(1, 2, j + 1)
       ax.plot(np.asarray(a0[key]) * scale, a0['loss'], 'k.-', label='A0 uniform')
       for name, c in res['curves'].items():
-        ax.plot(np.asarray(c[key]) * scale, c['loss'], 'o-', ms=3, label=name)
+        style = ('r*', 12) if name == 'calibrated' else ('o-', 3)  # calibrate_eps's eps
+        ax.plot(np.asarray(c[key]) * scale, c['loss'], style[0], ms=style[1], label=name)
       ref = float(np.interp(res['ref_depth'], a0['mean_loops'], a0['loss']))
       ax.axhline(ref + res['delta'], color='gray', ls=':', label='A0 @ref + delta')
       ax.set_xlabel(label)

@@ -9,7 +9,7 @@ stops at the first loop where P(change) < threshold (`policies.Router`).
 
 import json
 import os
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -115,11 +115,18 @@ def evaluate(router: Router, h: Harvest, bins: int = 10) -> dict:
           'reliability': reliability}
 
 
-def save(router: Router, path: str) -> None:
-  """Writes the probe as JSON (small: D weights)."""
+def save(router: Router, path: str, fit: Optional[dict] = None) -> None:
+  """Writes the probe as JSON (small: D weights), with `fit`: what it was fitted on."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  doc = {k: np.asarray(v).tolist() for k, v in router._asdict().items()}
   with open(path, 'w', encoding='utf-8') as f:
-    json.dump({k: np.asarray(v).tolist() for k, v in router._asdict().items()}, f)
+    json.dump({**doc, 'fit': fit}, f)
+
+
+def load_fit(path: str) -> Optional[dict]:
+  """The record of the data a saved probe was fitted on (None for older files)."""
+  with open(path, encoding='utf-8') as f:
+    return json.load(f).get('fit')
 
 
 def load(path: str) -> Router:
@@ -129,4 +136,31 @@ def load(path: str) -> Router:
                             '--workdir=... first')
   with open(path, encoding='utf-8') as f:
     d = json.load(f)
-  return Router(**{k: jnp.asarray(v, jnp.float32) for k, v in d.items()})
+  return Router(**{k: jnp.asarray(d[k], jnp.float32) for k in Router._fields})
+
+
+def batch_tokens(first: int, count: int, batch_size: int, seq_len: int) -> list[int]:
+  """[start, end) in the validation token stream of the targets of validation batches
+  first..first+count-1 (batch b holds windows b*B..(b+1)*B - 1; window i predicts tokens
+  i*L + 1..i*L + L)."""
+  return [first * batch_size * seq_len + 1, (first + count) * batch_size * seq_len + 1]
+
+
+def overlap_error(fit: Optional[dict], data_config: dict, tokens: list[int]) -> Optional[str]:
+  """Why a probe fitted as `fit` records may not be scored on `tokens` of that data, or None.
+
+  Scoring is refused when the probe's record is missing or when its fitting tokens and
+  `tokens` ([start, end) of the same validation stream) overlap.
+  """
+  if not fit:
+    return ('the router file has no record of the batches it was fitted on (an older '
+            'train_router); retrain it')
+  if fit['data_config'] != data_config:
+    return None  # another corpus or generator setting: a different validation stream
+  lo, hi = fit['tokens']
+  if lo < tokens[1] and tokens[0] < hi:
+    return (f"the router was fitted on the validation targets [{lo}, {hi}) (batches "
+            f"{fit['batches'][0]}..{fit['batches'][-1]} of {fit['batch_size']} x "
+            f"{fit['seq_len']}), which overlap the targets [{tokens[0]}, {tokens[1]}) scored "
+            'here: its curve would be in-sample')
+  return None

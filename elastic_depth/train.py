@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import os
-import signal
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -14,7 +12,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from elastic_depth import distributed, losses, policies
+from elastic_depth import distributed, lifecycle, losses, policies
 from elastic_depth import model as model_lib
 from elastic_depth.config import (Config, ConfigError, NanPolicy, Schedule, TrainConfig,
                                   grad_accum_steps, validate)
@@ -146,64 +144,7 @@ def config_dict(cfg: Config) -> dict:
 def place_state(state: TrainState, mesh: Mesh, t: Optional[TrainConfig] = None
                 ) -> TrainState:
   """Puts the state on the mesh by the sharding rules (so the first step does not recompile)."""
-  return distributed.place(state, distributed.state_shardings(state, mesh, t or TrainConfig()))
-
-
-class _Preemption:
-  """Turns SIGTERM/SIGINT into a flag checked at step boundaries.
-
-  A second signal while the first is pending stops at once (KeyboardInterrupt) without
-  saving; the previous checkpoint stays restorable since saves are atomic.
-  """
-
-  def __init__(self):
-    self.signum = None
-    self._old = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for s in (signal.SIGTERM, signal.SIGINT):
-        self._old[s] = signal.signal(s, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.signum is not None:
-      self.__exit__()
-      raise KeyboardInterrupt(f'second signal {signum}: stopping without saving')
-    self.signum = signum
-    print(f'\nsignal {signum} received: saving a checkpoint at the end of this step',
-          flush=True)
-
-  def __exit__(self, *exc):
-    for s, h in self._old.items():
-      signal.signal(s, h)
-    self._old = {}
-
-
-def check_workdir(workdir: str) -> None:
-  """Creates the workdir or raises a clear error if it is not writable."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f'.write_probe.{os.getpid()}')
-    with open(probe, 'w') as f:
-      f.write('ok')
-    os.remove(probe)
-  except OSError as e:
-    raise ConfigError(f'workdir {workdir!r} is not writable: {e}') from e
-
-
-def _end_jsonl_line(path: str) -> None:
-  """Terminates a metrics line cut off by a kill, so appended records stay parseable."""
-  try:
-    with open(path, 'rb+') as f:
-      f.seek(0, os.SEEK_END)
-      if f.tell():
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b'\n':
-          f.write(b'\n')
-  except FileNotFoundError:
-    pass
+  return jax.device_put(state, distributed.state_shardings(state, mesh, t or TrainConfig()))
 
 
 @dataclasses.dataclass
@@ -285,7 +226,7 @@ def preflight(cfg: Config, workdir: str, resume: bool):
   """
   from elastic_depth import checkpoint  # pylint: disable=g-import-not-at-top
   validate(cfg)
-  check_workdir(workdir)
+  lifecycle.check_workdir(workdir)
   _check_batch_split(cfg)
   mngr = checkpoint.existing_manager(workdir, cfg.train.keep_checkpoints)
   steps = list(mngr.all_steps()) if mngr is not None else []
@@ -310,7 +251,7 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
   mngr, ds = preflight(cfg, workdir, resume)
   if mngr is None:
     mngr = checkpoint.manager(workdir, t.keep_checkpoints)
-  mesh = distributed.mesh_for(t)
+  mesh = distributed.make_mesh(fsdp=t.fsdp)
   graphdef, state = init_state(cfg, t.seed)
   if resume:
     start, state = _restore(mngr, state, mesh, cfg, ds)
@@ -357,7 +298,7 @@ class _Throughput:
     return tps
 
 
-def _loop(r: _Run, pre: '_Preemption', writer, bar) -> tuple[dict, int]:
+def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]:
   """Phase 2: the steps, evaluation and checkpoints; returns (summary, skips)."""
   from elastic_depth import checkpoint, metrics  # pylint: disable=g-import-not-at-top
   cfg, t = r.cfg, r.cfg.train
@@ -430,9 +371,9 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
   NonFiniteError (nan_policy=stop, or after max_skips skips) without saving the bad state.
   """
   from elastic_depth import metrics  # pylint: disable=g-import-not-at-top
-  with _Preemption() as pre:
+  with lifecycle.Preemption() as pre:
     r = _prepare(cfg, workdir, resume)
-    _end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
+    lifecycle.end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
     bar = metrics.progress(cfg.train.steps, r.start, disable=quiet or None)
     print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '

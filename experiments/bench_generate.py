@@ -15,7 +15,6 @@ Shapes come from `bench_util.MODEL_SHAPES`. The reference implementation's figur
 `vs_reference` ratio is indicative, not a side-by-side measurement.
 """
 
-import json
 import os
 import time
 
@@ -119,9 +118,7 @@ def main(argv):
              loadavg=os.getloadavg(), date=time.strftime('%Y-%m-%d %H:%M'),
              new_tokens=_NEW.value, prompt_len=_PROMPT.value,
              shapes={n: bench_shape(n) for n in _SHAPES.value})
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w', encoding='utf-8') as f:
-    json.dump(out, f, indent=1)
+  bench_util.write_json(_OUT.value, out)
   print(f'* {bench_util.REFERENCE_NOTE}\nwrote {_OUT.value}')
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags
 from safetensors.numpy import save_file
 
+from experiments import bench_util
 from elastic_depth import huginn
 
 _D = flags.DEFINE_integer('d_model', 1024, 'n_embd of the random source.')
@@ -75,10 +76,7 @@ def main(argv):
              huginn_0125_peak_gb_estimate=(ratio * HUGINN_0125_FP32_BYTES
                                            + rec['base_bytes']) / 1e9)
   shutil.rmtree(_TMP.value, ignore_errors=True)
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w', encoding='utf-8') as f:
-    json.dump(rec, f, indent=1)
-  print(json.dumps(rec, indent=1))
+  bench_util.write_json(_OUT.value, rec, echo=True)
 
 
 if __name__ == '__main__':

@@ -8,6 +8,15 @@ import time
 import jax
 
 
+def write_json(path: str, doc: dict, echo: bool = False) -> None:
+  """Writes a benchmark's JSON (creating its folder); echo: also print it."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(doc, f, indent=1, default=str)
+  if echo:
+    print(json.dumps(doc, indent=1, default=str))
+
+
 def time_fn(fn, args, repeats):
   """Median / min wall seconds of fn(*args) after one warm-up call."""
   jax.block_until_ready(fn(*args))

@@ -82,16 +82,6 @@ def options_from_flags() -> Options:
                  seed=_F.seed, tag=_F.tag, progress=not _F.quiet, data=data)
 
 
-def floats(values, name: str) -> Optional[list[float]]:
-  """A list flag of numbers (None stays None); SetupError naming the flag otherwise."""
-  if values is None:
-    return None
-  try:
-    return [float(x) for x in values]
-  except ValueError as e:
-    raise SetupError(f'--{name}: {e}') from None
-
-
 def config_from_dict(d: dict, cls=Config) -> Any:
   """Rebuilds a (nested) config dataclass from config_dict output; unknown keys warned."""
   base = cls()
@@ -136,7 +126,7 @@ def resolve_data(cfg: Config, workdir: str, overrides: dict):
       raise SetupError(f'{workdir} was trained on the synthetic vocabulary: it cannot score '
                        f'{d.source} data (train on a text corpus first, or name a matching '
                        'tokenizer with --data_tokenizer)')
-    if d.tokenizer == 'train':
+    if d.tokenizer == 'train' or saved.source == 'tokens':  # tokens: the shards' tokenizer
       tok = os.path.join(workdir, 'tokenizer.json')
       if not os.path.isfile(tok):
         raise SetupError(f'{workdir} has no tokenizer.json (the trained tokenizer of this '

@@ -6,6 +6,8 @@ Expanding flagfiles first and keeping only the last value of each --config.* fla
 restores the usual rule: the command line overrides the flagfile.
 """
 
+import sys
+
 from absl import flags
 
 
@@ -45,3 +47,29 @@ def parse_config(argv: list[str], base=None):
   finally:
     sys.argv = old
   return holder.value
+
+
+def fail(msg: str, code: int = 2):
+  """Prints a one-line `error: ...` on stderr and exits with `code`."""
+  print(f'error: {msg}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def parse_or_fail(argv: list[str]) -> list[str]:
+  """A flags_parser for absl.app.run: a one-line error (exit 2) instead of a usage dump."""
+  try:
+    return flags.FLAGS(dedupe_config_overrides(argv))
+  except flags.Error as e:
+    fail(f'{e} (see --helpshort)')
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    fail(f'bad flag: {e}')
+
+
+def floats(xs, name: str, error=ValueError):
+  """A list flag's values as floats (None stays None); `error` names the bad flag."""
+  if xs is None:
+    return None
+  try:
+    return [float(x) for x in xs]
+  except ValueError as e:
+    raise error(f'--{name}: {e}') from None

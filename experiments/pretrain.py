@@ -18,8 +18,11 @@ Exit codes: 0 done (or preempted by SIGTERM/SIGINT after saving a checkpoint: re
 non-finite loss, a failed save); 130 a second interrupt (stopped without saving).
 """
 
+
+import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -30,22 +33,19 @@ from experiments import flags_util
 from elastic_depth.data import DataError
 
 
-def _fail(msg: str, code: int = 2):
-  print(f'error: {msg}', file=sys.stderr, flush=True)
-  sys.exit(code)
-
-
 try:  # ml_collections resolves --config.* override types from sys.argv right here
   _CONFIG = config_flags.DEFINE_config_dataclass('config', config_lib.Config(),
                                                  'Experiment configuration.')
 except (KeyError, AttributeError, TypeError, ValueError) as e:
-  _fail(f'bad --config flag: {str(e).strip(chr(34))}')
+  flags_util.fail(f'bad --config flag: {str(e).strip(chr(34))}')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints, metrics and '
                                'reports go.')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in workdir.')
 _QUIET = flags.DEFINE_bool('quiet', False, 'No progress bar.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Check everything and compile the step ahead '
                              'of time (memory, FLOPs, time estimates); train nothing.')
+_DRY_REMAT = flags.DEFINE_enum('dry_run_remat', 'both', ['both', 'on', 'off'], 'Which remat '
+                               'settings the dry run compiles.')
 _DRY_MFU = flags.DEFINE_float('dry_run_mfu', 0.45, 'MFU assumed by the dry run\'s estimates.')
 _COORD = flags.DEFINE_string('coordinator_address', None, 'HOST:PORT of process 0 '
                              '(multi-process runs).')
@@ -53,36 +53,49 @@ _NPROC = flags.DEFINE_integer('num_processes', None, 'Number of processes.')
 _PID = flags.DEFINE_integer('process_id', None, 'This process\'s index, 0..num_processes-1.')
 _HEARTBEAT = flags.DEFINE_integer('heartbeat_timeout_s', 100, 'Seconds without a peer\'s '
                                   'heartbeat before a multi-process run stops with an error.')
+_REPORT = flags.DEFINE_bool('difficulty_report', True, 'After a synthetic run with '
+                            'data.loss_on=answers, print loss and A1 exit depth by '
+                            'difficulty (experiments.difficulty; reports/difficulty.*).')
 
 ERRORS = (config_lib.ConfigError, DataError, checkpoint.CheckpointError, train.NonFiniteError)
 
 
-def parse_flags(argv):
-  """absl flag parsing with a one-line error (exit 2) instead of a usage dump."""
-  try:
-    return flags.FLAGS(flags_util.dedupe_config_overrides(argv))
-  except flags.Error as e:
-    _fail(f'{e} (see --helpshort)')
-  except (KeyError, AttributeError, TypeError, ValueError) as e:
-    _fail(f'bad flag: {e}')
+def _peer_lost(e: BaseException) -> None:
+  """A collective failed in a multi-process run: one clear line, then exit at once.
+
+  os._exit skips jax.distributed's shutdown barrier, which would abort the process with
+  pages of coordination-service logs when a peer is gone.
+  """
+  first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+  print(f'error: process {jax.process_index()} of {jax.process_count()}: a peer process '
+        f'failed or became unreachable ({first}); the job stops. The last complete '
+        f'checkpoint in {_WORKDIR.value} is intact: restart every process with --resume',
+        file=sys.stderr, flush=True)
+  os._exit(3)  # pylint: disable=protected-access
 
 
 def main(argv):
   if len(argv) > 1:
-    _fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
+    flags_util.fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   cfg = _CONFIG.value
   try:
     distributed.initialize(_COORD.value, _NPROC.value, _PID.value, _HEARTBEAT.value)
     if _DRY_RUN.value:
+      remat = {'both': (True, False), 'on': (True,), 'off': (False,)}[_DRY_REMAT.value]
       print(dry_run.describe(dry_run.run(cfg, _WORKDIR.value, resume=_RESUME.value,
-                                         mfu=_DRY_MFU.value)), flush=True)
+                                         mfu=_DRY_MFU.value, remat_choices=remat)),
+            flush=True)
       return
     summary = train.run(cfg, _WORKDIR.value, resume=_RESUME.value, quiet=_QUIET.value)
   except ERRORS as e:
-    _fail(str(e))
+    flags_util.fail(str(e))
   except KeyboardInterrupt as e:
-    _fail(f'interrupted ({e or "second signal"}); the last complete checkpoint is kept', 130)
+    flags_util.fail(f'interrupted ({e or "second signal"}); the last complete checkpoint is kept', 130)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    _peer_lost(e)
   if 'preempted_at' in summary:
     at = summary['preempted_at']
     print('preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
@@ -95,7 +108,11 @@ def main(argv):
     print(f'validation loss: depth 1 = {losses[depths[0]]:.4f}, depth {mean} '
           f'(training mean) = {losses[mean]:.4f}; all: '
           + ', '.join(f'r={d}: {losses[d]:.4f}' for d in depths))
+  if _REPORT.value and cfg.data.source == 'synthetic' and cfg.data.loss_on == 'answers':
+    from experiments import common, difficulty  # pylint: disable=g-import-not-at-top
+    difficulty.run(common.Options(workdir=_WORKDIR.value, batches=8,
+                                  progress=False))
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

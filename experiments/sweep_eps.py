@@ -11,6 +11,7 @@ Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
 
 import dataclasses
+import json
 import os
 from typing import Optional
 
@@ -20,7 +21,7 @@ from absl import app, flags
 from elastic_depth import analysis, reports
 from elastic_depth import router as router_lib
 from elastic_depth.config import Semantics
-from experiments import common
+from experiments import common, flags_util
 
 
 
@@ -34,17 +35,23 @@ class SweepOptions:
   router: bool = False                            # add the A2 curve from router.json
   router_grid: Optional[list[float]] = None
   semantics: tuple[str, ...] = ('parallel',)      # parallel (score), cached (decode_step)
+  calibrated: bool = True                         # mark calibrate_eps's eps if chosen
 
 
+# EPS_GRID and DELTA are shared with experiments.calibrate_eps
 EPS_GRID = flags.DEFINE_list('eps_grid', None, 'KL thresholds (nats), comma-separated '
-                             '(default: 13 log-spaced points 1e-6..1).')
+                             '(default: a log-spaced grid 1e-6..1; calibrate_eps: increasing).')
 DELTA = flags.DEFINE_float('delta', SweepOptions.delta, 'Loss tolerance (nats/token) of the '
-                           'headline.')
+                           'headline; calibrate_eps: the risk level not to exceed.')
 CURVES = flags.DEFINE_list('curves', list(SweepOptions.curves), 'Exit curves: kl (A1), '
                            'gated_kl (A1 where the state change < the median at loop 2), '
                            'reverse_kl, state_delta.')
 ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
-                           '(python -m experiments.train_router).')
+                           '(python -m experiments.train_router); refused if the router '
+                           'was fitted on batches this sweep scores.')
+CALIBRATED = flags.DEFINE_bool('calibrated', True, 'Mark the eps chosen by '
+                               'experiments.calibrate_eps (reports/calibrate_eps[_TAG].json) '
+                               'on the frontier when that report exists.')
 ROUTER_GRID = flags.DEFINE_list('router_grid', None, 'A2 thresholds on P(change) (default '
                                 '10 points 0.05..0.95).')
 SEMANTICS = flags.DEFINE_list('semantics', list(SweepOptions.semantics), 'Scoring '
@@ -54,14 +61,43 @@ STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-c
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
 
+def _floats(xs, name):
+  return flags_util.floats(xs, name, common.SetupError)
+
+
 def options_from_flags() -> SweepOptions:
   """SweepOptions from this experiment's flags."""
-  return SweepOptions(eps_grid=common.floats(EPS_GRID.value, 'eps_grid'), delta=DELTA.value,
+  return SweepOptions(eps_grid=_floats(EPS_GRID.value, 'eps_grid'), delta=DELTA.value,
                       curves=tuple(CURVES.value), router=ROUTER.value,
-                      state_delta_grid=common.floats(STATE_DELTA_GRID.value,
-                                                     'state_delta_grid'),
-                      router_grid=common.floats(ROUTER_GRID.value, 'router_grid'),
-                      semantics=tuple(SEMANTICS.value))
+                      state_delta_grid=_floats(STATE_DELTA_GRID.value, 'state_delta_grid'),
+                      router_grid=_floats(ROUTER_GRID.value, 'router_grid'),
+                      semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value)
+
+
+def _router(opts: common.Options, ld: common.Loaded):
+  """The A2 probe of the workdir; SetupError if it saw any batch scored here."""
+  path = os.path.join(opts.workdir, 'router.json')
+  if not os.path.exists(path):
+    raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
+                            f'--workdir={opts.workdir} first')
+  tokens = router_lib.batch_tokens(0, len(ld.batches), ld.data.batch_size, ld.data.seq_len)
+  why = router_lib.overlap_error(router_lib.load_fit(path),
+                                 dataclasses.asdict(ld.data_cfg), tokens)
+  if why:
+    raise common.SetupError(f'--router: {why}; score fewer batches (--batches) or refit '
+                            'with a larger train_router --fit_from')
+  return router_lib.load(path)
+
+
+def _calibrated(opts: common.Options) -> dict:
+  """{'calibrated': a one-point KL curve} at the eps of calibrate_eps, if it chose one."""
+  path = os.path.join(opts.workdir, 'reports', common.report_name('calibrate_eps', opts)
+                      + '.json')
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding='utf-8') as f:
+    eps = json.load(f)['results']['eps']
+  return {} if eps is None else {'calibrated': analysis.Curve('kl', [eps])}
 
 
 def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
@@ -70,17 +106,13 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   if bad:
     raise common.SetupError(f'--semantics: unknown {bad}; choose from parallel, cached')
   ld = common.load(opts)
-  probe = None
-  if x.router:
-    path = os.path.join(opts.workdir, 'router.json')
-    if not os.path.exists(path):
-      raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
-                              f'--workdir={opts.workdir} first')
-    probe = router_lib.load(path)
+  probe = _router(opts, ld) if x.router else None
+  extra = _calibrated(opts) if x.calibrated else {}
   res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,
+                       extra_curves=extra,
                        progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,

@@ -175,3 +175,37 @@ def test_kernel_path_carries_the_hidden_state_and_counts_two_head_products(
   assert_counts(res.counts, list(events), depth)
   checks = len([i for i in (3, 6, 9) if i <= depth.max()])
   assert int(res.counts.head_passes) == 2 * checks + 1
+
+
+@pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router'])
+def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
+  """Compacted engine: per-token work equals the masked engine's; batch work is the slots.
+
+  A readout (or head product) at loop i runs over B x cap_i slots, cap_i the smallest
+  capacity holding the fullest row's active tokens (depth >= i); the final readout
+  runs over all B x L tokens.
+  """
+  toks = jnp.asarray(np.random.default_rng(4).integers(0, 40, (B, L)), jnp.int32)
+  rng, router = jax.random.key(0), _router(mdl.cfg.d_model)
+  tr = jax.device_get(inference.score(mdl, toks, config.ExitConfig(
+      policy='uniform', depth=R, max_loops=R), rng, router=router, trace=True).traces)
+  stat = {'kl': tr['kl'], 'gated_kl': tr['kl'], 'reverse_kl': tr['rkl'],
+          'state_delta': tr['delta'], 'router': tr['p_change']}[policy]
+  eps, gate = _between(stat[MIN_LOOPS - 1:]), _between(tr['delta'][MIN_LOOPS - 1:])
+  out = {e: inference.score(mdl, toks, exit_cfg(policy, eps, gate=gate, engine=e), rng,
+                            router=router).counts for e in ('masked', 'compacted')}
+  ref, got = out['masked'], out['compacted']
+  depth = np.asarray(ref.depth)
+  assert len(np.unique(depth)) > 1
+  for name in ('depth', 'coda', 'head'):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)))
+  caps = recurrence.capacities(L)
+  cap = lambda i: min(c for c in caps if c >= (depth >= i).sum(axis=1).max())
+  loops = range(1, depth.max() + 1)
+  reads = [i for i in (2, 3, 5, 6, 8, 9) if i <= depth.max()]
+  head_policy = policy in ('kl', 'gated_kl', 'reverse_kl')
+  expect = lambda ls: (B * sum(cap(i) for i in ls) + B * L) / (B * L)
+  assert float(got.core_passes) == pytest.approx(B * sum(cap(i) for i in loops) / (B * L))
+  assert float(got.coda_passes) == pytest.approx(expect(reads if head_policy else []))
+  assert float(got.head_passes) == pytest.approx(expect(reads if head_policy else []))
+  assert float(got.core_passes) <= int(ref.core_passes)

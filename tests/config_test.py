@@ -29,6 +29,7 @@ BAD = {
     'model.init_std': [0.0, -0.02, NAN, INF],
     'model.state_std': [-1.0, NAN, INF],
     'model.norm_eps': [0.0, -1e-6, NAN],
+    'model.embed_scale': [0.0, -1.0, NAN, INF],
     'depth.mean': [0.5, 0.0, -3.0, NAN, INF],
     'depth.sigma': [-0.1, NAN, INF],
     'depth.r_max': [0, -1],
@@ -38,6 +39,8 @@ BAD = {
     'data.max_docs': [-1],
     'data.seed': [-1],
     'data.synth_examples': [0, -1],
+    'data.synth_num_ops': [0, -1],
+    'data.synth_curriculum': [-1],
     'data.synth_max_hops': [0, -1],
     'data.synth_num_vars': [0, -1, 5],  # 5 < synth_max_hops=6
     'train.seed': [-1],

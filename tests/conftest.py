@@ -6,6 +6,7 @@ a 2-block core and a coda).
 """
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -55,6 +56,38 @@ def random_batch(cfg: config_lib.Config, seed: int, batch_size=None, mask_frac=0
   mask[:, 0] = 1.0  # never an empty micro-batch
   return dict(inputs=rng.integers(0, v, shape).astype(np.int32),
               targets=rng.integers(0, v, shape).astype(np.int32), mask=mask)
+
+
+@functools.cache
+def _tiny_tfds_builder():
+  """A TFDS builder of 12 train ('t story i') and 3 validation ('v story i') texts."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+
+  class ElasticDepthTinyText(tfds.core.GeneratorBasedBuilder):
+    """Tiny local text dataset."""
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+          builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples('t', 12),
+              'validation': self._generate_examples('v', 3)}
+
+    def _generate_examples(self, prefix, n):
+      for i in range(n):
+        yield i, {'text': f'{prefix} story {i}'}
+
+  return ElasticDepthTinyText
+
+
+@pytest.fixture
+def tiny_tfds(tmp_path) -> tuple[str, str]:
+  """(tfds_name, tfds_data_dir) of a locally prepared array_record text dataset."""
+  _tiny_tfds_builder()(data_dir=str(tmp_path / 'tfds'),
+                       file_format='array_record').download_and_prepare()
+  return 'elastic_depth_tiny_text', str(tmp_path / 'tfds')
 
 
 @pytest.fixture(scope='session')

@@ -161,3 +161,22 @@ def test_answers_only_mask_selects_exactly_the_answer_targets():
     assert batch['mask'].sum() > 0
   full = synth_data()  # the default keeps every target
   assert next(full.train_iter)['mask'].all()
+
+
+def test_curriculum_raises_k_stage_by_stage_and_resumes():
+  cfg = DataConfig(synth_task='compose', synth_examples=300, synth_max_hops=4,
+                   loss_on='answers', synth_curriculum=6)
+  ds = pipeline.build(cfg, seq_len=32, batch_size=2, vocab_size=64)
+  ks = []
+  for _ in range(12):  # 2 windows per batch: stages k<=2, k<=3 (3 batches each), then all
+    b = next(ds.train_iter)
+    ks.append(set(np.unique(b['difficulty'][b['mask'] > 0]).tolist()))
+  assert set().union(*ks[:3]) <= {1, 2} and set().union(*ks[3:6]) <= {1, 2, 3}
+  assert 3 in set().union(*ks[3:6]) and 4 in set().union(*ks[6:])
+  state = ds.train_iter.get_state()
+  want = next(ds.train_iter)
+  again = pipeline.build(cfg, seq_len=32, batch_size=2, vocab_size=64)
+  again.train_iter.set_state(state)
+  got = next(again.train_iter)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key])

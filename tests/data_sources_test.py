@@ -58,6 +58,20 @@ def test_txt_jsonl_parquet_list_and_split(tmp_path):
                                 DataConfig(text_field='body')) == ['five', 'six']
 
 
+@pytest.mark.parametrize('chunk', [1, 3, 7, 1 << 22])
+def test_txt_streamed_in_chunks_equals_split(tmp_path, monkeypatch, chunk):
+  text = ('héllo wörld<|endoftext|>\n  <|endoftext|>ünïcode 🙂 doc<|endoftext|>'
+          '<|endoftext|>last')
+  (tmp_path / 'a.txt').write_text(text, encoding='utf-8')
+  monkeypatch.setattr(sources, 'CHUNK_BYTES', chunk)
+  want = [d.strip() for d in text.split('<|endoftext|>') if d.strip()]
+  assert sources.read_documents(str(tmp_path / 'a.txt'), DataConfig()) == want
+  bad = text.encode('utf-8') + b'<|endoftext|>ok \xfe'
+  (tmp_path / 'b.txt').write_bytes(bad)
+  with pytest.raises(DataError, match=f'at byte offset {len(bad) - 1} \\(byte 0xfe\\)'):
+    sources.read_documents(str(tmp_path / 'b.txt'), DataConfig())
+
+
 def test_val_paths_and_directory(tmp_path):
   (tmp_path / 'train').mkdir()
   (tmp_path / 'train' / 'x.txt').write_text('a<|endoftext|>b<|endoftext|>c', encoding='utf-8')
@@ -154,6 +168,16 @@ def test_hf_streams_rows(monkeypatch):
     sources.load(DataConfig(source='hf', hf_name='a/b'))
 
 
+def test_hf_max_docs_0_reads_every_document(monkeypatch):
+  n = 50_001  # one more than the silent cap (STREAM_DEFAULT_DOCS) there used to be
+  monkeypatch.setitem(sys.modules, 'datasets', fake_datasets([{'text': 'd'}] * n))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: True)
+  corpus = sources.load(DataConfig(source='hf', hf_name='a/b'))
+  assert len(corpus.train) + len(corpus.val) == n
+  corpus = sources.load(DataConfig(source='hf', hf_name='a/b', max_docs=7))
+  assert len(corpus.train) + len(corpus.val) == 7
+
+
 def test_tfds_not_prepared(tmp_path):
   cfg = DataConfig(source='tfds', tfds_name='tiny_shakespeare')
   cfg.tfds_data_dir = str(tmp_path)  # keyword default until DataConfig has the field
@@ -165,28 +189,8 @@ def test_tfds_not_prepared(tmp_path):
     sources.load(DataConfig(source='tfds'))
 
 
-def test_tfds_local_array_record(tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
-
-  class ElasticDepthTinyText(tfds.core.GeneratorBasedBuilder):
-    """Tiny local text dataset."""
-    VERSION = tfds.core.Version('1.0.0')
-
-    def _info(self):
-      return tfds.core.DatasetInfo(
-          builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-      return {'train': self._generate_examples('t', 12),
-              'validation': self._generate_examples('v', 3)}
-
-    def _generate_examples(self, prefix, n):
-      for i in range(n):
-        yield i, {'text': f'{prefix} story {i}'}
-
-  ElasticDepthTinyText(data_dir=str(tmp_path), file_format='array_record').download_and_prepare()
-  cfg = DataConfig(source='tfds', tfds_name='elastic_depth_tiny_text')
-  cfg.tfds_data_dir = str(tmp_path)
+def test_tfds_local_array_record(tiny_tfds):
+  cfg = DataConfig(source='tfds', tfds_name=tiny_tfds[0], tfds_data_dir=tiny_tfds[1])
   corpus = sources.load(cfg)
   assert sorted(corpus.train) == sorted(f't story {i}' for i in range(12))
   assert sorted(corpus.val) == sorted(f'v story {i}' for i in range(3))

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from elastic_depth import checkpoint, config as config_lib, train
-from experiments import common, convergence, eval_depth, sweep_eps
+from elastic_depth import calibrate, checkpoint, config as config_lib, train
+from elastic_depth import router as router_lib
+from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,8 @@ def workdir(tmp_path_factory, make_config):
   cfg = make_config(train=dict(steps=20, eval_every=20, ckpt_every=20, log_every=10,
                                eval_batches=1, seq_len=16, eval_depths=(1, 4)),
                     depth=dict(buckets=(2, 4)))
-  cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(synth_examples=100))
+  cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(synth_examples=100,
+                                                           val_fraction=0.5))
   wd = str(tmp_path_factory.mktemp('tiny'))
   train.run(cfg, wd, quiet=True)
   return wd
@@ -114,3 +116,60 @@ def test_command_line_matches_in_process_run_bit_identically(workdir):
   assert out.returncode == 0, out.stderr[-3000:]
   assert _numbers(os.path.join(workdir, 'reports', 'eval_depth_cli.json')) == json.loads(
       json.dumps(ref))
+
+
+def test_calibrate_eps_end_to_end_and_marked_on_the_sweep(workdir):
+  x = calibrate_eps.CalibrateOptions(
+      delta=0.5, alpha=0.2, risk=calibrate.Risk.LOSS, bound=4.0, cal_batches=1,
+      pvalue=calibrate.PValue.HOEFFDING_BENTKUS, eps_grid=[1e-6, 1e-3, 1e9])
+  out = calibrate_eps.run(_opts(workdir), x)
+  res = _numbers(out['paths']['json'])
+  assert res['cal_batches'] == [0] and res['test_batches'] == [1]  # disjoint splits
+  assert res['eps'] in (None, *x.eps_grid)
+  j = res['index']
+  # the certified prefix: every p-value up to the chosen index is <= alpha, the next is not
+  ps = res['p_values']
+  assert all(p <= 0.2 for p in ps[:(-1 if j is None else j) + 1])
+  assert len(ps) == 3 or ps[-1] > 0.2
+  if res['eps'] is not None:
+    assert 1 <= res['heldout']['mean_loops'] <= res['r_max']
+  sw = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
+      eps_grid=[1e-3], delta=0.01, calibrated=True))['results']
+  assert ('calibrated' in sw['curves']) == (res['eps'] is not None)
+  with pytest.raises(common.SetupError, match='alpha'):
+    calibrate_eps.run(_opts(workdir), dataclasses.replace(x, alpha=1.5))
+  with pytest.raises(common.SetupError, match='held out'):
+    calibrate_eps.run(_opts(workdir), dataclasses.replace(x, cal_batches=2))
+
+
+def test_router_is_fitted_on_batches_the_sweep_refuses_to_score(workdir):
+  out = train_router.run(_opts(workdir), train_router.RouterOptions(
+      steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1))
+  fit = _numbers(out['paths']['json'])['fit']
+  assert fit['batches'] == [2]
+  with open(out['router'], encoding='utf-8') as f:
+    assert json.load(f)['fit']['tokens'] == fit['tokens']
+  ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
+      eps_grid=[1e-3], router=True, router_grid=[0.5]))['results']
+  assert 'router' in ok['curves']  # batches 0..1: held out
+  with pytest.raises(common.SetupError, match='in-sample'):
+    sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
+                  sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
+
+
+def test_router_overlap_by_brute_force_over_windows():
+  """Batches overlap iff they share a target position, whatever the batch shapes."""
+  def targets(first, n, b, l):  # every target position of the windows, enumerated
+    return {w * l + t for w in range(first * b, (first + n) * b) for t in range(1, l + 1)}
+  cfg = {'seed': 0}
+  for (f1, n1, b1, l1), (f2, n2, b2, l2) in [((2, 1, 4, 16), (0, 2, 4, 16)),
+                                             ((2, 1, 4, 16), (0, 3, 4, 16)),
+                                             ((1, 2, 8, 8), (0, 1, 4, 16)),
+                                             ((1, 2, 8, 8), (1, 1, 4, 16)),
+                                             ((3, 1, 2, 5), (0, 1, 6, 5))]:
+    fit = {'batches': list(range(f1, f1 + n1)), 'batch_size': b1, 'seq_len': l1,
+           'tokens': router_lib.batch_tokens(f1, n1, b1, l1), 'data_config': cfg}
+    why = router_lib.overlap_error(fit, cfg, router_lib.batch_tokens(f2, n2, b2, l2))
+    assert (why is not None) == bool(targets(f1, n1, b1, l1) & targets(f2, n2, b2, l2))
+    assert router_lib.overlap_error(fit, {'seed': 1}, [0, 10 ** 9]) is None
+  assert 'no record' in router_lib.overlap_error(None, cfg, [0, 1])

@@ -19,7 +19,7 @@ from tokenizers import models, pre_tokenizers, trainers
 from elastic_depth import checkpoint, huginn, inference, snapshot
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig
-from experiments import common, convergence, eval_depth, sweep_eps, train_router
+from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / 'shared'
@@ -192,6 +192,10 @@ def test_every_experiment_runs_on_the_imported_model(imported):
   assert kl['mean_loops'] == [4, 2] and kl['loss'][0] == pytest.approx(el['loss'][-1],
                                                                         rel=1e-5)
   assert 'router' in sw['curves']
+  cal = calibrate_eps.run(opts, calibrate_eps.CalibrateOptions(
+      delta=0.5, alpha=0.2, bound=4.0, cal_batches=1, eps_grid=[1e-6, 1e-3, 1e9]))['results']
+  assert cal['cal_batches'] == [0] and cal['test_batches'] == [1]
+  assert cal['eps'] in (None, 1e-6, 1e-3, 1e9)
 
 
 def test_generation_with_per_token_exit_runs_on_the_imported_model(loaded):

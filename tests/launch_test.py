@@ -45,6 +45,18 @@ def test_flagfile_parses_validates_and_builds(path):
     assert abs(n - 57.3e6) < 0.05e6  # tied head
     assert cfg.train.tokens_per_step == 2 ** 18
     assert cfg.depth.mean == (4 if 'mean4' in path else 8)
+    assert (cfg.data.source, cfg.data.paths) == ('tokens', 'data/fineweb-edu-10BT')
+    assert any('python -m experiments.prepare_data --flagfile=launch/135m.flags' in l
+               and '--config.data.source=hf' in l for l in header), 'the prepare command'
+
+
+def test_135m_mean4_is_the_base_file_plus_one_line():
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m.flags")}'])
+  path = os.path.join(REPO, 'launch', '135m_mean4.flags')
+  lines = [l for l in open(path, encoding='utf-8').read().splitlines() if l.startswith('--')]
+  assert lines == ['--flagfile=launch/135m.flags', '--config.depth.mean=4']
+  mean4 = parse(['prog', f'--flagfile={path}'])
+  assert mean4 == dataclasses.replace(base, depth=dataclasses.replace(base.depth, mean=4.0))
 
 
 @pytest.mark.parametrize('path', [f for f in FILES if f.endswith('_mean4.flags')],

@@ -345,3 +345,31 @@ def test_flops_per_token_hand_count(model_cfg):
     assert got['coda_head'] == pytest.approx(per_block + head)
     assert got['total'] == pytest.approx(2 * per_block + r * (3 * per_block + mm(2 * d, d))
                                          + per_block + head)
+
+
+def test_attention_only_in_the_core(model_cfg):
+  """model.attention=core: prelude and coda mix no positions; params and FLOPs drop by
+  exactly their attention (and its two norms)."""
+  cfg = dataclasses.replace(model_cfg, attention='core')
+  mdl = model_lib.LoopedLM(cfg, nnx.Rngs(0))
+  randomise(mdl, 13)
+  rng = np.random.default_rng(14)
+  tok = rng.integers(0, 64, (1, 6)).astype(np.int32)
+  other = tok.copy()
+  other[0, :5] = (tok[0, :5] + 1) % 64  # change every token but the last
+  pos = jnp.asarray(np.arange(6, dtype=np.int32)[None])
+  e1, _ = mdl.encode(jnp.asarray(tok), pos)
+  e2, _ = mdl.encode(jnp.asarray(other), pos)
+  assert_close(e1[0, 5], e2[0, 5], rtol=0)  # the last position sees only its own token
+  s = jnp.asarray(rng.normal(size=(1, 6, cfg.d_model)).astype(np.float32))
+  h1, _ = mdl.decode_state(s, pos)
+  h2, _ = mdl.decode_state(s.at[0, :5].set(0.0), pos)
+  assert_close(h1[0, 5], h2[0, 5], rtol=0)
+  d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  attn_params = d * h * k + 2 * d * g * k + h * k * d + 2 * d  # wq, wk, wv, wo, norm1/2
+  outer = cfg.n_prelude + cfg.n_coda
+  assert model_lib.count_params(model_cfg) - model_lib.count_params(cfg) == outer * attn_params
+  seq = 16
+  attn_flops = 2 * attn_params - 4 * d + 2 * (2 * h * k * seq / 2)
+  full, core = (model_lib.flops_per_token(c, 3, seq) for c in (model_cfg, cfg))
+  assert full['total'] - core['total'] == pytest.approx(outer * attn_flops)

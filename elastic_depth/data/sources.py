@@ -3,17 +3,20 @@
 import dataclasses
 import enum
 import glob
+import itertools
 import json
 import os
 import pathlib
 import socket
 import urllib.parse
+from typing import Iterator
 
 import numpy as np
 
+from elastic_depth.data import synthetic
 from elastic_depth.data.errors import UNREACHABLE_HINT, DataError
 
-STREAM_DEFAULT_DOCS = 50_000  # hf/tfds documents read when data.max_docs is 0
+CHUNK_BYTES = 1 << 22  # text files are read in 4 MiB chunks
 VAL_SPLITS = ('validation', 'valid', 'val', 'test')  # tfds splits tried for validation, in order
 
 
@@ -23,6 +26,7 @@ class Source(str, enum.Enum):
   TEXT = 'text'
   HF = 'hf'
   TFDS = 'tfds'
+  TOKENS = 'tokens'  # shards written by experiments.prepare_data (see shards.py)
 
 
 @dataclasses.dataclass
@@ -33,39 +37,53 @@ class Corpus:
   origin: str
 
 
-def _read_utf8(path: pathlib.Path) -> str:
-  """Whole file as text; DataError naming the byte offset of invalid UTF-8."""
-  data = path.read_bytes()
+def _decode(data: bytes, path, offset: int) -> str:
+  """UTF-8 text of `data` read at byte `offset` of path; DataError naming the bad byte."""
   try:
     return data.decode('utf-8')
   except UnicodeDecodeError as e:
-    raise DataError(f'{path}: not valid UTF-8 at byte offset {e.start} '
+    raise DataError(f'{path}: not valid UTF-8 at byte offset {offset + e.start} '
                     f'(byte 0x{data[e.start]:02x})') from None
 
 
-def _read_txt(path: pathlib.Path, cfg) -> list[str]:
-  """Documents of a text file split by cfg.separator."""
-  return _read_utf8(path).split(cfg.separator)
+def _read_txt(path: pathlib.Path, cfg) -> Iterator[str]:
+  """Documents of a text file split by cfg.separator, read in chunks (streaming)."""
+  sep = cfg.separator.encode('utf-8')
+  buf, offset = b'', 0  # offset: file position of buf[0]
+  with open(path, 'rb') as f:
+    while True:
+      chunk = f.read(CHUNK_BYTES)
+      buf += chunk
+      parts = buf.split(sep) if sep else [buf]
+      if chunk:
+        parts, buf = parts[:-1], parts[-1]
+      for part in parts:
+        yield _decode(part, path, offset)
+        offset += len(part) + len(sep)
+      if not chunk:
+        return
 
 
-def _read_jsonl(path: pathlib.Path, cfg) -> list[str]:
-  """Field cfg.text_field of each JSON line."""
-  docs = []
-  for n, line in enumerate(_read_utf8(path).splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise DataError(f'{path}:{n}: invalid JSON ({e.msg})') from None
-    if not isinstance(row, dict) or not isinstance(row.get(cfg.text_field), str):
-      raise DataError(f'{path}:{n}: no string field {cfg.text_field!r} (data.text_field)')
-    docs.append(row[cfg.text_field])
-  return docs
+def _read_jsonl(path: pathlib.Path, cfg) -> Iterator[str]:
+  """Field cfg.text_field of each JSON line, read line by line (streaming)."""
+  offset = 0
+  with open(path, 'rb') as f:
+    for n, raw in enumerate(f, 1):
+      line = _decode(raw, path, offset)
+      offset += len(raw)
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f'{path}:{n}: invalid JSON ({e.msg})') from None
+      if not isinstance(row, dict) or not isinstance(row.get(cfg.text_field), str):
+        raise DataError(f'{path}:{n}: no string field {cfg.text_field!r} (data.text_field)')
+      yield row[cfg.text_field]
 
 
-def _read_parquet(path: pathlib.Path, cfg) -> list[str]:
-  """Column cfg.text_field of a parquet file (nulls dropped)."""
+def _read_parquet(path: pathlib.Path, cfg) -> Iterator[str]:
+  """Column cfg.text_field of a parquet file (nulls dropped), batch by batch."""
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   try:
@@ -78,8 +96,8 @@ def _read_parquet(path: pathlib.Path, cfg) -> list[str]:
   field_type = schema.field(cfg.text_field).type
   if not (pa.types.is_string(field_type) or pa.types.is_large_string(field_type)):
     raise DataError(f'{path}: column {cfg.text_field!r} has type {field_type}, not string')
-  column = pq.read_table(path, columns=[cfg.text_field]).column(0)
-  return [d for d in column.to_pylist() if d is not None]
+  for batch in pq.ParquetFile(path).iter_batches(columns=[cfg.text_field]):
+    yield from (d for d in batch.column(0).to_pylist() if d is not None)
 
 
 READERS = {'.txt': _read_txt, '.jsonl': _read_jsonl, '.parquet': _read_parquet}
@@ -112,22 +130,41 @@ def expand_paths(spec: str, setting: str = 'data.paths') -> list[pathlib.Path]:
   return files
 
 
-def read_documents(spec: str, cfg, setting: str = 'data.paths') -> list[str]:
-  """Stripped, non-empty documents of every file in `spec` (capped at cfg.max_docs)."""
+def iter_files(spec: str, cfg, setting: str = 'data.paths') -> Iterator[str]:
+  """Stripped, non-empty documents of every file in `spec`, streamed file by file.
+
+  The paths and file types are checked now; the files are read as the stream is consumed.
+  """
   files = expand_paths(spec, setting)
-  docs = []
+  bad = [p for p in files if p.suffix not in READERS]
+  if bad:
+    raise DataError(f'{bad[0]}: unsupported file type {bad[0].suffix!r}; '
+                    f'expected one of {sorted(READERS)}')
+  return _stream_files(files, cfg, setting)
+
+
+def _stream_files(files: list[pathlib.Path], cfg, setting: str) -> Iterator[str]:
+  """The generator behind iter_files."""
+  found = False
   for path in files:
-    reader = READERS.get(path.suffix)
-    if reader is None:
-      raise DataError(f'{path}: unsupported file type {path.suffix!r}; '
-                      f'expected one of {sorted(READERS)}')
-    docs += [d.strip() for d in reader(path, cfg) if d.strip()]
-    if cfg.max_docs and len(docs) >= cfg.max_docs:
-      return docs[:cfg.max_docs]
-  if not docs:
+    for doc in READERS[path.suffix](path, cfg):
+      doc = doc.strip()
+      if doc:
+        found = True
+        yield doc
+  if not found:
     raise DataError(f'empty corpus: {setting} ({", ".join(map(str, files))}) '
                     'holds no non-empty document')
-  return docs
+
+
+def capped(docs: Iterator[str], cfg) -> list[str]:
+  """The first cfg.max_docs documents of a stream (all when max_docs is 0)."""
+  return list(itertools.islice(docs, cfg.max_docs or None))
+
+
+def read_documents(spec: str, cfg, setting: str = 'data.paths') -> list[str]:
+  """Stripped, non-empty documents of every file in `spec` (capped at cfg.max_docs)."""
+  return capped(iter_files(spec, cfg, setting), cfg)
 
 
 def holdout_split(docs: list[str], cfg, origin: str) -> Corpus:
@@ -143,6 +180,15 @@ def holdout_split(docs: list[str], cfg, origin: str) -> Corpus:
   train = [d for d, v in zip(docs, is_val) if not v]
   val = [d for d, v in zip(docs, is_val) if v]
   return Corpus(train, val, origin)
+
+
+def load_synthetic(cfg) -> Corpus:
+  """Synthetic programs as space-separated strings (prepare_data's synthetic source)."""
+  train, val, vocab = synthetic.load(cfg.synth_examples, cfg.synth_max_hops,
+                                     cfg.synth_num_vars, cfg.seed, cfg.val_fraction,
+                                     getattr(cfg, 'synth_task', 'binding'),
+                                     getattr(cfg, 'synth_num_ops', 4))
+  return Corpus(train.docs(vocab), val.docs(vocab), 'synthetic')
 
 
 def load_text(cfg) -> Corpus:
@@ -181,8 +227,13 @@ def _text_of(row, field: str, origin: str) -> str:
   return str(value)
 
 
-def load_hf(cfg) -> Corpus:
-  """Streams the train split of a Hugging Face dataset (optional `datasets` package)."""
+def hf_origin(cfg) -> str:
+  """hf:NAME[/CONFIG]."""
+  return f'hf:{cfg.hf_name}' + (f'/{cfg.hf_config}' if cfg.hf_config else '')
+
+
+def iter_hf(cfg) -> Iterator[str]:
+  """Streams every document of a Hugging Face dataset's train split (`datasets` package)."""
   if not cfg.hf_name:
     raise DataError('data.source=hf needs --config.data.hf_name (e.g. HuggingFaceFW/fineweb-edu)')
   try:
@@ -190,39 +241,48 @@ def load_hf(cfg) -> Corpus:
   except ImportError:
     raise DataError('data.source=hf needs the optional `datasets` package: '
                     'pip install datasets') from None
-  origin = f'hf:{cfg.hf_name}' + (f'/{cfg.hf_config}' if cfg.hf_config else '')
+  origin = hf_origin(cfg)
   if not hub_reachable():
     raise DataError(f'{origin}: cannot stream, {UNREACHABLE_HINT}')
-  limit = cfg.max_docs or STREAM_DEFAULT_DOCS
-  docs = []
+  return _stream_hf(datasets, cfg, origin)
+
+
+def _stream_hf(datasets, cfg, origin: str) -> Iterator[str]:
+  """The generator behind iter_hf (its checks run before the first document)."""
+  found = False
   try:
     stream = datasets.load_dataset(cfg.hf_name, cfg.hf_config or None, split='train',
                                    streaming=True)
     for row in stream:
       text = _text_of(row, cfg.text_field, origin).strip()
       if text:
-        docs.append(text)
-      if len(docs) >= limit:
-        break
+        found = True
+        yield text
   except DataError:
     raise
   except Exception as e:  # pylint: disable=broad-except
     raise DataError(f'{origin}: streaming failed ({type(e).__name__}: {e}); maybe '
                     f'{UNREACHABLE_HINT}') from None
-  if not docs:
+  if not found:
     raise DataError(f'empty corpus: {origin} yielded no non-empty document')
-  return holdout_split(docs, cfg, origin)
 
 
-def _read_tfds_split(source, cfg, origin: str) -> list[str]:
-  """Up to max_docs (or STREAM_DEFAULT_DOCS) stripped, non-empty texts of one split."""
-  limit = min(len(source), cfg.max_docs or STREAM_DEFAULT_DOCS)
-  docs = [_text_of(source[i], cfg.text_field, origin).strip() for i in range(limit)]
-  return [d for d in docs if d]
+def load_hf(cfg) -> Corpus:
+  """Streams the train split of a Hugging Face dataset (max_docs of them; 0: all)."""
+  docs = capped(iter_hf(cfg), cfg)
+  return holdout_split(docs, cfg, hf_origin(cfg))
 
 
-def load_tfds(cfg) -> Corpus:
-  """A locally prepared (array_record) TFDS dataset via tfds.data_source; never downloads."""
+def _iter_tfds_split(source, cfg, origin: str) -> Iterator[str]:
+  """Stripped, non-empty texts of one random-access split, in order."""
+  for i in range(len(source)):
+    text = _text_of(source[i], cfg.text_field, origin).strip()
+    if text:
+      yield text
+
+
+def tfds_splits(cfg) -> tuple[str, dict]:
+  """(origin, {'train': source, 'val': source or absent}) of a locally prepared TFDS dataset."""
   if not cfg.tfds_name:
     raise DataError('data.source=tfds needs --config.data.tfds_name')
   try:
@@ -246,19 +306,41 @@ def load_tfds(cfg) -> Corpus:
                     f'{str(e)[:200]}); rebuild with --file_format=array_record') from None
   if 'train' not in splits:
     raise DataError(f'{origin}: no train split; splits: {sorted(splits)}')
-  train = _read_tfds_split(splits['train'], cfg, origin)
+  out = {'train': splits['train']}
+  val_name = next((s for s in VAL_SPLITS if s in splits), None)
+  if val_name is not None:
+    out['val'] = splits[val_name]
+  return origin, out
+
+
+def iter_tfds(cfg) -> tuple[str, dict]:
+  """(origin, {split: (number of records, document stream)}) of a prepared TFDS dataset."""
+  origin, splits = tfds_splits(cfg)
+  return origin, {k: (len(v), _iter_tfds_split(v, cfg, origin)) for k, v in splits.items()}
+
+
+def load_tfds(cfg) -> Corpus:
+  """A locally prepared (array_record) TFDS dataset via tfds.data_source; never downloads."""
+  origin, splits = iter_tfds(cfg)
+  train = capped(splits['train'][1], cfg)
   if not train:
     raise DataError(f'empty corpus: {origin} train split holds no non-empty document')
-  val_name = next((s for s in VAL_SPLITS if s in splits), None)
-  if val_name is None:
+  if 'val' not in splits:
     return holdout_split(train, cfg, origin)
-  return Corpus(train, _read_tfds_split(splits[val_name], cfg, origin), origin)
+  return Corpus(train, capped(splits['val'][1], cfg), origin)
+
+
+def _no_documents(cfg) -> Corpus:
+  """The tokens source holds token ids, not documents."""
+  raise DataError(f'data.source=tokens ({cfg.paths}) holds prepared token ids, not documents; '
+                  'read it with data.build')
 
 
 LOADERS = {  # text-like sources; synthetic data is generated in ids (pipeline.build)
     Source.TEXT: load_text,
     Source.HF: load_hf,
     Source.TFDS: load_tfds,
+    Source.TOKENS: _no_documents,
 }
 
 

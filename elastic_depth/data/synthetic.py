@@ -31,6 +31,7 @@ that also occurs in the training set.
 """
 
 import dataclasses
+import functools
 import string
 
 import numpy as np
@@ -100,13 +101,15 @@ def check_config(max_hops: int, num_vars: int, num_examples: int) -> None:
     raise DataError(f'data.synth_examples={num_examples} must be >= 1')
 
 
-def program(rng: np.random.Generator, max_hops: int,
-            num_vars: int) -> tuple[list[str], list[int]]:
+def program(rng: np.random.Generator, max_hops: int, num_vars: int,
+            num_ops: int = 4) -> tuple[list[str], list[int]]:
   """One program (tokens, difficulty per token): bindings, then a query for every variable.
 
   The chain of the first query variable needs k ~ U{1..max_hops} hops; the other
   variables' chains (distractors) have their own depths, which are their difficulty.
+  (num_ops belongs to the compose task and is ignored.)
   """
+  del num_ops
   hops = int(rng.integers(1, max_hops + 1))
   n_lines = min(num_vars, 2 * max_hops)
   names = [VAR_NAMES[i] for i in rng.permutation(num_vars)[:n_lines]]
@@ -136,20 +139,23 @@ def program(rng: np.random.Generator, max_hops: int,
 WORLD_SEED = 20260717  # the op permutations are part of the task, not of the data seed
 
 
+@functools.lru_cache(maxsize=None)
 def op_tables(num_ops: int) -> dict[str, np.ndarray]:
-  """The fixed permutation of the 10 digits that each op symbol applies."""
+  """The fixed permutation of the 10 digits that each op symbol applies (the first n
+  tables do not depend on num_ops)."""
   rng = np.random.default_rng(WORLD_SEED)
   return {VAR_NAMES[j]: rng.permutation(10) for j in range(num_ops)}
 
 
-def compose_program(rng: np.random.Generator, max_hops: int,
-                    num_vars: int) -> tuple[list[str], list[int]]:
-  """`? d o1 o2 .. ok = v .`: v = ok(...o1(d)), k ~ U{1..max_hops} ops from 4 permutations.
+def compose_program(rng: np.random.Generator, max_hops: int, num_vars: int,
+                    num_ops: int = 4) -> tuple[list[str], list[int]]:
+  """`? d o1 o2 .. ok = v .`: v = ok(...o1(d)), k ~ U{1..max_hops} ops from num_ops
+  permutations (at most num_vars).
 
   Each op is a fixed permutation of the digits (learned into the weights); the answer
   needs the k ops applied in order, so its difficulty is k.
   """
-  tables = op_tables(min(4, num_vars))
+  tables = op_tables(min(num_ops, num_vars))
   ops = list(tables)
   k = int(rng.integers(1, max_hops + 1))
   start = int(rng.integers(10))
@@ -166,7 +172,8 @@ TASKS = {'binding': program, 'compose': compose_program}
 
 
 def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
-             stream: int, exclude: frozenset = frozenset(), task: str = 'binding') -> Split:
+             stream: int, exclude: frozenset = frozenset(), task: str = 'binding',
+             num_ops: int = 4) -> Split:
   """`num_examples` programs from the random stream (seed, stream), skipping `exclude`."""
   check_config(max_hops, num_vars, num_examples)
   vocab = SyntheticVocab(num_vars)
@@ -175,7 +182,7 @@ def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
   for _ in range(100 * num_examples + 1000):
     if len(ids) == num_examples:
       break
-    tokens, diff = TASKS[task](rng, max_hops, num_vars)
+    tokens, diff = TASKS[task](rng, max_hops, num_vars, num_ops)
     if tuple(tokens) in exclude:
       continue
     ids.append(np.array([vocab.token_to_id(t) for t in tokens], np.int32))
@@ -187,7 +194,8 @@ def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
 
 
 def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
-         val_fraction: float, task: str = 'binding') -> tuple[Split, Split, SyntheticVocab]:
+         val_fraction: float, task: str = 'binding',
+         num_ops: int = 4) -> tuple[Split, Split, SyntheticVocab]:
   """Train and validation programs (disjoint) and the vocabulary.
 
   Args:
@@ -198,6 +206,7 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
     val_fraction: validation programs = max(1, round(num_examples * val_fraction)).
     task: 'binding' (k-hop variable lookup) or 'compose' (k fixed permutations applied
       in order); validation excludes training programs only for 'binding'.
+    num_ops: compose: how many fixed permutations (op symbols, at most num_vars).
 
   Returns:
     (train, val, vocab); each Split holds int32 ids [T_i] and difficulty [T_i] per program.
@@ -205,9 +214,13 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
   if task not in TASKS:
     raise DataError(f'data.synth_task={task!r} not in {sorted(TASKS)}')
   vocab = SyntheticVocab(num_vars)
-  train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM, task=task)
+  if task == 'compose' and not 1 <= num_ops <= num_vars:
+    raise DataError(f'data.synth_num_ops={num_ops} must be in [1, synth_num_vars={num_vars}]')
+  train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM, task=task,
+                   num_ops=num_ops)
   seen = frozenset(tuple(vocab.decode(x).split()) for x in train.ids)
   n_val = max(1, int(round(num_examples * val_fraction)))
   val = generate(n_val, max_hops, num_vars, seed, VAL_STREAM,
-                 exclude=seen if task == 'binding' else frozenset(), task=task)
+                 exclude=seen if task == 'binding' else frozenset(), task=task,
+                 num_ops=num_ops)
   return train, val, vocab

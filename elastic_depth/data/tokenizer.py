@@ -1,6 +1,8 @@
 """Tokenizers through HF `tokenizers`: train a byte-level BPE, load files, or the hub."""
 
 import enum
+import hashlib
+import json
 import pathlib
 import unicodedata
 import weakref
@@ -106,6 +108,19 @@ def _from_hub(name: str) -> tokenizers.Tokenizer:
                     f'none in the hub cache, and {UNREACHABLE_HINT}; or give '
                     f'--config.data.tokenizer=train or a path to tokenizer.json') from None
   return tokenizers.Tokenizer.from_file(cached)
+
+
+def tokenizer_info(tok) -> dict:
+  """vocab_size, eos_id and a SHA-256 fingerprint of the token -> id table."""
+  if hasattr(tok, 'tok'):  # HFTokenizer
+    table = sorted(tok.tok.get_vocab(with_added_tokens=True).items())
+  elif hasattr(tok, 'tokens'):  # SyntheticVocab
+    table = list(enumerate(tok.tokens))
+  else:
+    table = [tok.vocab_size]
+  digest = hashlib.sha256(json.dumps(table).encode('utf-8')).hexdigest()[:16]
+  return {'vocab_size': int(tok.vocab_size), 'eos_id': int(tok.eos_id), 'fingerprint': digest,
+          'origin': str(getattr(tok, 'origin', 'synthetic vocabulary'))}
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:

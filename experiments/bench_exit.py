@@ -1,0 +1,228 @@
+"""Teacher-forced scoring speed: uniform depth (A0) vs per-token exit, masked vs compacted.
+
+  python -m experiments.bench_exit                        # random models at S and P
+  python -m experiments.bench_exit --shapes=S --repeats=5 --fake_exit_fraction=0.25
+  python -m experiments.bench_exit --workdir=DIR --eps=1e-3 --fake_exit_fraction=0
+      # a trained checkpoint, on random token ids (untested: no checkpoint was at hand)
+
+Variants, timed interleaved (A0, masked, compacted, A0, ...; medians):
+  a0          uniform depth (--depth, or the checkpoint's training mean), no checks;
+  a1_masked   exit_loop: every loop runs all B x L tokens, exited ones masked;
+  a1_compact  compact_exit_loop: every loop runs only the active tokens.
+On a random model exits mean nothing, so --fake_exit_fraction (default) imposes a
+synthetic schedule: after each loop that share of the still-active tokens exits
+(random tokens, geometric depths capped at --depth). The KL check still runs at every
+loop (its cost is real); only its decision is replaced. Without it, --eps decides.
+
+Executed FLOPs (model.flops_per_token pieces, attention at L/2 per query) count what
+each engine runs: loops x tokens it runs them on (compacted: the active tokens, and
+`padded` the buffer slots), the check's coda per checked token (all tokens when the
+coda has > 1 block), two head matmuls per KL check, and the initial readout.
+realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against masked.
+"""
+
+import dataclasses
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from elastic_depth import config, inference, model as model_lib, recurrence
+from experiments import bench_util
+
+_SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
+_WORKDIR = flags.DEFINE_string('workdir', '', 'A trained run directory (instead of shapes).')
+_BATCH = flags.DEFINE_integer('batch', 16, 'Rows per batch.')
+_SEQ = flags.DEFINE_integer('seq_len', 256, 'Tokens per row.')
+_DEPTH = flags.DEFINE_integer('depth', 8, 'A0 depth and max loops (random models).')
+_EPS = flags.DEFINE_float('eps', 1e-3, 'KL threshold (used when no fake schedule).')
+_FAKE = flags.DEFINE_float('fake_exit_fraction', 0.25,
+                           'Share of active tokens exiting after each loop (0: use eps).')
+_POLICY = flags.DEFINE_enum('policy', 'kl', ['kl', 'state_delta'],
+                            'Exit check run at every loop (state_delta: no coda/head).')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).')
+_OUT = flags.DEFINE_string('out', 'runs/bench_exit.json', 'JSON output (markdown beside it).')
+
+
+def _schedule(shape, frac: float, depth: int, seed: int = 0):
+  """Synthetic exit loops: geometric with success `frac` per loop, in [1, depth]."""
+  r = np.random.default_rng(seed).geometric(frac, shape)
+  return jnp.asarray(np.minimum(r, depth), jnp.int32)
+
+
+def _flops(mcfg, l: int, active_R, n: int, checked_R, head_n: int) -> float:
+  """Executed FLOPs: prelude + final readout for n tokens, loops and checks as run."""
+  f = model_lib.flops_per_token(mcfg, 0, l)
+  coda = f['coda_head'] - f['head']
+  return (n * (f['prelude'] + f['coda_head']) + f['loop'] * float(np.sum(active_R))
+          + coda * float(np.sum(checked_R)) + f['head'] * head_n)
+
+
+def _books(mcfg, l: int, n: int, depth, loops: int, slots: int, kl: bool) -> dict:
+  """Executed FLOPs of the masked and compacted engines for one exit pattern."""
+  d = np.asarray(depth)
+  active_R = np.array([(d >= i).sum() for i in range(1, loops + 1)])
+  full_R = np.full(loops, n)
+  heads = 2 if kl else 0
+  comp_coda = active_R if mcfg.n_coda <= 1 else full_R
+  masked = _flops(mcfg, l, full_R, n, (np.append(full_R, n) if kl else 0), heads * loops * n)
+  comp = _flops(mcfg, l, active_R, n, (np.append(comp_coda, n) if kl else 0),
+                heads * int(active_R.sum()))
+  pad = slots / max(active_R.sum(), 1)
+  comp_padded = _flops(mcfg, l, active_R * pad, n,
+                       (np.append(comp_coda * (pad if mcfg.n_coda <= 1 else 1), n)
+                        if kl else 0), heads * int(active_R.sum() * pad))
+  return dict(masked=masked, compacted=comp, compacted_padded=comp_padded,
+              active_per_loop=active_R.tolist(), mean_loops=float(d.mean()))
+
+
+def _variants(mdl, depth: int, ecfg, sched):
+  key = jax.random.key(0)
+  run = lambda loop: jax.jit(lambda t: mdl.forward(t, key, loop))
+  return {'a0': run(model_lib.fixed(depth, remat=False)),
+          'a1_masked': run(inference.exit_loop(ecfg, schedule_BxL=sched)),
+          'a1_compact': run(inference.compact_exit_loop(ecfg, schedule_BxL=sched))}
+
+
+def paired_saving(times, base_times) -> float:
+  """Median over repeats of 1 - t / t_base within the same interleaved round (robust to
+  load that drifts between rounds)."""
+  return statistics.median(1.0 - t / b for t, b in zip(times, base_times))
+
+
+def bench(name: str, mdl, depth: int, toks) -> dict:
+  """Times the three variants interleaved and does the books."""
+  b, l = toks.shape
+  n = b * l
+  sched = _schedule((b, l), _FAKE.value, depth) if _FAKE.value > 0 else None
+  ecfg = config.ExitConfig(policy=_POLICY.value, eps=_EPS.value, max_loops=depth)
+  fns = _variants(mdl, depth, ecfg, sched)
+  outs = {k: jax.block_until_ready(f(toks)) for k, f in fns.items()}  # compile + warm
+  times = {k: [] for k in fns}
+  loads = []
+  for _ in range(_REPEATS.value):
+    loads.append(os.getloadavg()[0])
+    for k, f in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(toks))
+      times[k].append(time.perf_counter() - t0)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  m, c = outs['a1_masked'].aux, outs['a1_compact'].aux
+  assert np.array_equal(np.asarray(m.depth), np.asarray(c.depth)), 'engines disagree'
+  books = _books(mdl.cfg, l, n, c.depth, int(c.loops), int(c.slots),
+                 kl=_POLICY.value == 'kl')
+  f0 = _flops(mdl.cfg, l, np.full(depth, n), n, 0, 0)
+  flops = dict(a0=f0, a1_masked=books['masked'], a1_compact=books['compacted'],
+               a1_compact_padded=books['compacted_padded'])
+  saving = lambda a, b_: 1.0 - a / b_
+  ratios = {}
+  for base in ('a0', 'a1_masked'):
+    w = saving(med['a1_compact'], med[base])
+    w_min = saving(min(times['a1_compact']), min(times[base]))
+    w_pair = paired_saving(times['a1_compact'], times[base])
+    fl = saving(flops['a1_compact'], flops[base])
+    ratios[f'vs_{base}'] = dict(wall_saving=w, flop_saving=fl, wall_saving_min=w_min,
+                                wall_saving_paired=w_pair,
+                                realized_over_flop_paired=w_pair / fl if fl > 0 else None,
+                                realized_over_flop=w / fl if fl > 0 else None,
+                                realized_over_flop_min=w_min / fl if fl > 0 else None)
+  rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
+                  tokens_per_s=n / med[k],
+                  executed_gflop=flops[k] / 1e9) for k in fns}
+  print(f'{name}: load {statistics.median(loads):.1f}  mean loops {books["mean_loops"]:.2f}'
+        f' of {depth}', flush=True)
+  for k, r in rows.items():
+    print(f'  {k:10s} {r["median_s"]:7.3f} s  {r["tokens_per_s"]:9.0f} tok/s  '
+          f'{r["executed_gflop"]:8.1f} GFLOP', flush=True)
+  for k, r in ratios.items():
+    print(f'  compact {k}: wall saving {r["wall_saving"]:.1%}, FLOP saving '
+          f'{r["flop_saving"]:.1%}, realized/FLOP {r["realized_over_flop"]} (min-based '
+          f'{r["realized_over_flop_min"]})', flush=True)
+  return dict(model=dataclasses.asdict(mdl.cfg), batch=b, seq_len=l, tokens=n, depth=depth,
+              policy=_POLICY.value,
+              fake_exit_fraction=_FAKE.value, eps=_EPS.value, variants=rows,
+              padded_gflop=flops['a1_compact_padded'] / 1e9, books=books, ratios=ratios,
+              loadavg_per_repeat=loads, capacities=recurrence.capacities(l))
+
+
+def parts(mdl, toks, repeats: int) -> dict:
+  """Where a compacted loop's time goes: ms for one core loop on all tokens, on half of
+  each row gathered/scattered through the compacted kv hooks, and on a plain half batch."""
+  b, l = toks.shape
+  pos = model_lib.positions(toks)
+  e, _ = mdl.encode(toks, pos)
+  c = mdl.cfg
+  z = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
+  idx = jnp.broadcast_to(jnp.arange(0, l, 2), (b, l // 2))
+
+  def compact(s):
+    g = lambda x: recurrence.gather_rows(x, idx)
+    fns = [inference._scatter_kv((z, z), idx, pos, g(pos)) for _ in range(c.n_core)]  # pylint: disable=protected-access
+    return recurrence.scatter_rows(s, idx, mdl.core_step(g(s), g(e), g(pos), fns)[0])
+  fns = {'loop_all_ms': lambda s: mdl.core_step(s, e, pos)[0],
+         'loop_half_compacted_ms': compact,
+         'loop_half_plain_ms': lambda s: mdl.core_step(s[:, ::2], e[:, ::2], pos[:, ::2])[0]}
+  return {k: 1e3 * bench_util.time_fn(jax.jit(f), (e,), repeats)['median_s']
+          for k, f in fns.items()}
+
+
+def markdown(out: dict) -> str:
+  """The figures as a markdown table."""
+  lines = [f'# bench_exit ({out["date"]}, {out["machine"]})', '',
+           '| shape | policy | variant | median s | min s | tokens/s | executed GFLOP | load |',
+           '|---|---|---|---|---|---|---|---|']
+  for name, r in out['runs'].items():
+    load = statistics.median(r['loadavg_per_repeat'])
+    for k, v in r['variants'].items():
+      lines.append(f'| {name} | {r["policy"]} | {k} | {v["median_s"]:.3f} | {v["min_s"]:.3f} | '
+                   f'{v["tokens_per_s"]:.0f} | '
+                   f'{v["executed_gflop"]:.1f} | {load:.1f} |')
+  lines += ['', '| shape | mean loops | vs | wall saving (median) | FLOP saving | '
+            'realized/FLOP (median) | realized/FLOP (min) |', '|---|---|---|---|---|---|---|']
+  for name, r in out['runs'].items():
+    for k, v in r['ratios'].items():
+      fmt = lambda x: '-' if x is None else f'{x:.2f}'
+      lines.append(f'| {name} | {r["books"]["mean_loops"]:.2f} | {k[3:]} | '
+                   f'{v["wall_saving"]:.1%} | {v["flop_saving"]:.1%} | '
+                   f'{fmt(v["realized_over_flop"])} | {fmt(v["realized_over_flop_min"])} |')
+  return '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  if _FAKE.value < 0 or _FAKE.value >= 1:
+    raise app.UsageError(f'error: --fake_exit_fraction={_FAKE.value} must be in [0, 1)')
+  runs = {}
+  rng = np.random.default_rng(0)
+  if _WORKDIR.value:
+    from experiments import common  # pylint: disable=g-import-not-at-top
+    cfg, mdl, step, _ = common.load_model(_WORKDIR.value)
+    toks = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (_BATCH.value, _SEQ.value)),
+                       jnp.int32)
+    depth = max(1, round(cfg.depth.mean))
+    runs[f'{_WORKDIR.value}@{step}'] = bench('ckpt', mdl, depth, toks)
+  for name in ([] if _WORKDIR.value else _SHAPES.value):
+    mcfg = config.ModelConfig(max_len=_SEQ.value, **bench_util.MODEL_SHAPES[name])
+    mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(0))
+    toks = jnp.asarray(rng.integers(0, mcfg.vocab_size, (_BATCH.value, _SEQ.value)),
+                       jnp.int32)
+    runs[name] = bench(name, mdl, _DEPTH.value, toks)
+    runs[name]['parts_ms'] = parts(mdl, toks, _REPEATS.value)
+    print(f'  parts (ms): {runs[name]["parts_ms"]}', flush=True)
+  out = dict(backend=jax.default_backend(), machine=os.environ.get(
+      'BENCH_MACHINE', '2-core AMD EPYC, AVX2, shared'), date=time.strftime('%Y-%m-%d %H:%M'),
+             runs=runs)
+  bench_util.write_json(_OUT.value, out)
+  md = os.path.splitext(_OUT.value)[0] + '.md'
+  with open(md, 'w', encoding='utf-8') as f:
+    f.write(markdown(out))
+  print(f'wrote {_OUT.value} and {md}')
+
+
+if __name__ == '__main__':
+  app.run(main)

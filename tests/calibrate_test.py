@@ -1,0 +1,94 @@
+"""Learn-then-Test calibration of eps: p-values and the guarantee on synthetic risks."""
+
+import math
+
+import numpy as np
+import pytest
+
+from elastic_depth import calibrate
+
+# true risk of each threshold, increasing; several sit just above delta = 0.1
+P_TRUE = np.array([0.0, 0.02, 0.04, 0.06, 0.08, 0.09, 0.095, 0.1, 0.105, 0.11, 0.12, 0.15,
+                   0.2, 0.3])
+DELTA, ALPHA, N, TRIALS = 0.1, 0.1, 300, 400
+# one-sided 3-sigma Monte-Carlo margin on a violation rate of alpha
+MARGIN = 3 * math.sqrt(ALPHA * (1 - ALPHA) / TRIALS)
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+  return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(0, k + 1))
+
+
+@pytest.mark.parametrize('mean,n,delta', [(0.05, 100, 0.1), (0.0, 30, 0.2), (0.09, 500, 0.1),
+                                          (0.3, 50, 0.2)])
+def test_p_values_against_closed_forms(mean, n, delta):
+  kl = (mean * math.log(mean / delta) if mean else 0.0) + (1 - mean) * math.log(
+      (1 - mean) / (1 - delta))
+  hoeff = math.exp(-n * kl) if mean < delta else 1.0
+  assert calibrate.p_hoeffding(mean, n, delta) == pytest.approx(hoeff, rel=1e-6)
+  bentkus = math.e * _binom_cdf(math.ceil(n * mean), n, delta)
+  assert calibrate.p_hoeffding_bentkus(mean, n, delta) == pytest.approx(
+      min(1.0, hoeff, bentkus), rel=1e-6)
+
+
+def _violations(draw, pvalue, naive=False, seed=0):
+  """Share of random calibration sets whose chosen threshold has true risk > delta."""
+  rng = np.random.default_rng(seed)
+  bad = 0
+  for _ in range(TRIALS):
+    risks = draw(rng)
+    if naive:  # the largest threshold whose empirical risk is <= delta: no guarantee
+      ok = np.nonzero(risks.mean(1) <= DELTA)[0]
+      j = int(ok.max()) if ok.size else None
+    else:
+      j, _ = calibrate.fixed_sequence(risks, DELTA, ALPHA, pvalue)
+    bad += j is not None and P_TRUE[j] > DELTA
+  return bad / TRIALS
+
+
+def _bernoulli(rng):
+  return (rng.random((len(P_TRUE), N)) < P_TRUE[:, None]).astype(np.float64)
+
+
+def _beta(rng):  # continuous risks in [0, 1] with mean P_TRUE (Beta with a + b = 4)
+  a = np.maximum(P_TRUE * 4, 1e-3)
+  return rng.beta(a[:, None], (4 - a)[:, None], (len(P_TRUE), N))
+
+
+@pytest.mark.parametrize('pvalue', list(calibrate.PValue))
+@pytest.mark.parametrize('draw', [_bernoulli, _beta])
+def test_violation_rate_is_at_most_alpha(pvalue, draw):
+  assert _violations(draw, pvalue) <= ALPHA + MARGIN
+  # the test can fail: picking by the empirical risk alone violates far more often
+  assert _violations(draw, pvalue, naive=True) > ALPHA + 3 * MARGIN
+
+
+def test_fixed_sequence_stops_at_the_first_failure():
+  risks = np.stack([np.full(100, 0.0), np.full(100, 0.5), np.full(100, 0.0)])
+  j, ps = calibrate.fixed_sequence(risks, 0.1, 0.1)
+  assert j == 0 and len(ps) == 2 and ps[1] == 1.0
+  j, ps = calibrate.fixed_sequence(risks[1:], 0.1, 0.1)
+  assert j is None and len(ps) == 1
+  # risks in [0, bound] are tested on the same scale as delta
+  j, _ = calibrate.fixed_sequence(np.full((1, 200), 0.2), delta=1.0, alpha=0.1, bound=4.0)
+  assert j == 0
+
+
+def test_unit_risks_by_brute_force():
+  rng = np.random.default_rng(1)
+  g, n, l, bound = 3, 4, 5, 1.5
+  nll = rng.random((g, n, l)) * 3
+  ref = rng.random((n, l)) * 3
+  am, am_ref = rng.integers(0, 3, (g, n, l)), rng.integers(0, 3, (n, l))
+  mask = (rng.random((n, l)) < 0.6).astype(np.float32)
+  mask[2] = 0  # a sequence without scored tokens is not a unit
+  loss = calibrate.unit_risks(nll, am, ref, am_ref, mask, 'loss', bound)
+  arg = calibrate.unit_risks(nll, am, ref, am_ref, mask, 'argmax', bound)
+  assert loss.shape == arg.shape == (g, n - 1)
+  for j in range(g):
+    for u, i in enumerate([0, 1, 3]):
+      toks = [t for t in range(l) if mask[i, t]]
+      want = sum(min(max(nll[j, i, t] - ref[i, t], 0.0), bound) for t in toks) / len(toks)
+      assert loss[j, u] == pytest.approx(want)
+      assert arg[j, u] == pytest.approx(sum(am[j, i, t] != am_ref[i, t] for t in toks)
+                                        / len(toks))

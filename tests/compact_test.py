@@ -1,0 +1,123 @@
+"""Compacted early exit (exit.engine=compacted) against the masked engine it must equal."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import config, inference, model as model_lib, policies, recurrence
+
+B, L, R = 2, 8, 6
+STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_change'}
+
+
+def _model(n_coda):
+  cfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
+                           head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=n_coda,
+                           max_len=64, init_std=0.1)
+  return model_lib.LoopedLM(cfg, nnx.Rngs(3))
+
+
+@pytest.fixture(scope='module')
+def setup():
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 48, (B, L)), jnp.int32)
+  r = np.random.default_rng(1)
+  router = policies.Router(jnp.asarray(r.normal(size=32), jnp.float32), jnp.float32(0.3),
+                           jnp.zeros(32), jnp.ones(32))
+  models = {n: _model(n) for n in (1, 2)}
+  traces = {n: inference.score(m, toks, config.ExitConfig(policy='uniform', depth=R),
+                               jax.random.key(0), router=router, trace=True).traces
+            for n, m in models.items()}
+  return models, toks, router, traces
+
+
+def _ragged_eps(trace, policy, min_loops):
+  """An eps at the median of the policy's statistic over the loops it may exit at."""
+  return float(np.median(np.asarray(trace[STAT[policy]])[max(min_loops, 2) - 1:]))
+
+
+def _both(mdl, toks, cfg, router=None, **kw):
+  """(masked, compacted) forwards; two-step capacities keep compilation short."""
+  loops = (inference.exit_loop(cfg, router=router, **kw),
+           inference.compact_exit_loop(cfg, router=router, steps=2, **kw))
+  return [jax.jit(lambda t, f=f: mdl.forward(t, jax.random.key(0), f))(toks) for f in loops]
+
+
+def _assert_same(ref, got):
+  np.testing.assert_array_equal(np.asarray(got.aux.depth), np.asarray(ref.aux.depth))
+  np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), atol=2e-5)
+  np.testing.assert_allclose(np.asarray(got.state), np.asarray(ref.state), atol=2e-5)
+  for (k1, v1), (k2, v2) in zip(ref.aux.kv, got.aux.kv):
+    np.testing.assert_allclose(np.asarray(k2), np.asarray(k1), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(v1), atol=2e-5)
+
+
+@pytest.mark.parametrize('policy,n_coda,min_loops,check_every', [
+    ('kl', 2, 2, 2), ('reverse_kl', 1, 3, 1), ('state_delta', 1, 1, 2), ('router', 2, 2, 1)])
+def test_compacted_equals_masked(setup, policy, n_coda, min_loops, check_every):
+  models, toks, router, traces = setup
+  eps = _ragged_eps(traces[n_coda], policy, min_loops)
+  cfg = config.ExitConfig(policy=policy, eps=eps, min_loops=min_loops, max_loops=R,
+                          check_every=check_every)
+  ref, got = _both(models[n_coda], toks, cfg, router if policy == 'router' else None)
+  depth = np.asarray(ref.aux.depth)
+  assert len(np.unique(depth)) > 1 and depth.max() > min_loops  # ragged exits
+  _assert_same(ref, got)
+
+
+def test_uniform_equals_masked(setup):
+  models, toks, _, _ = setup
+  ref, got = _both(models[1], toks, config.ExitConfig(policy='uniform', depth=3))
+  assert np.all(np.asarray(got.aux.depth) == 3)
+  _assert_same(ref, got)
+
+
+def test_padding_and_executed_slots(setup):
+  """Tokens inactive from the start (padding) stay at depth 0 and offer their initial kv."""
+  models, toks, _, traces = setup
+  active = jnp.asarray(np.random.default_rng(2).random((B, L)) < 0.7)
+  cfg = config.ExitConfig(policy='kl', eps=_ragged_eps(traces[1], 'kl', 1), max_loops=R)
+  ref, got = _both(models[1], toks, cfg, active_BxL=active)
+  _assert_same(ref, got)
+  assert np.all(np.asarray(ref.aux.depth)[~np.asarray(active)] == 0)
+  # every loop holds at least the active tokens, and fewer than all when rows shrink
+  slots, loops, depth = int(got.aux.slots), int(got.aux.loops), np.asarray(got.aux.depth)
+  assert depth.sum() <= slots < loops * B * L
+  per_loop = [(depth >= i).sum(axis=1).max() for i in range(1, loops + 1)]
+  caps = recurrence.capacities(L, 2)
+  assert slots == B * sum(min(c for c in caps if c >= n) for n in per_loop)
+
+
+def test_prefill_with_compacted_engine_fills_the_same_cache(setup):
+  """score and prefill pick the engine from exit.engine (a 4-token prompt: 4 capacities)."""
+  models, toks, _, traces = setup
+  eps = _ragged_eps(traces[1], 'kl', 1)
+  caches = []
+  for engine in ('masked', 'compacted'):
+    cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=R, engine=engine)
+    caches.append(jax.jit(lambda t, c=cfg: inference.prefill(
+        models[1], t, c, jax.random.key(0), 8))(toks[:, :4]))
+  (c1, last1, d1), (c2, last2, d2) = caches
+  np.testing.assert_array_equal(np.asarray(d2), np.asarray(d1))
+  np.testing.assert_allclose(np.asarray(last2), np.asarray(last1), atol=2e-5)
+  for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5)
+
+
+def test_scheduled_exits_follow_the_schedule(setup):
+  models, toks, _, _ = setup
+  sched = jnp.asarray(np.random.default_rng(3).integers(1, 6, (B, L)), jnp.int32)
+  cfg = config.ExitConfig(policy='state_delta', eps=0.0, min_loops=2, max_loops=R)
+  for out in _both(models[1], toks, cfg, schedule_BxL=sched):
+    np.testing.assert_array_equal(np.asarray(out.aux.depth), np.maximum(np.asarray(sched), 2))
+
+
+def test_capacities_and_bad_engine():
+  caps = recurrence.capacities(256)
+  assert caps == (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
+  assert recurrence.capacities(12, 4) == (1, 2, 3, 6, 9, 12)
+  with pytest.raises(config.ConfigError, match='exit.engine'):
+    config.validate(config.Config(exit=config.ExitConfig(engine='sparse')))
+  with pytest.raises(ValueError, match='traces need exit.engine=masked'):
+    inference.compact_exit_loop(config.ExitConfig(), trace=True)

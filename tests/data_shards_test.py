@@ -1,0 +1,218 @@
+"""Tests of prepare_data (shards.py): streaming shards, the index, resume and errors."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+
+from elastic_depth.data.tokenizer import tokenizer_info
+from elastic_depth.config import DataConfig
+from elastic_depth.data import shards, sources, tokenizer as tokenizer_lib
+from elastic_depth.data.errors import DataError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORDS = ('the cat sat on a mat while seven dogs ran far away from home and '
+         'every bird sang loud songs in green trees').split()
+
+
+def write_corpus(path: pathlib.Path, n_docs: int, seed: int = 0) -> pathlib.Path:
+  """A jsonl file of n_docs documents of 1..80 random words."""
+  rng = np.random.default_rng(seed)
+  with open(path, 'w', encoding='utf-8') as f:
+    for _ in range(n_docs):
+      words = rng.choice(WORDS, size=rng.integers(1, 80))
+      f.write(json.dumps({'text': ' '.join(words)}) + '\n')
+  return path
+
+
+def text_cfg(paths, **kw) -> DataConfig:
+  return DataConfig(**{'source': 'text', 'paths': str(paths), 'tokenizer': 'train',
+                       'val_fraction': 0.1, **kw})
+
+
+def prepare(cfg, out, **kw):
+  kw = {'vocab_size': 300, 'shard_tokens': 2000, 'batch_docs': 64, 'quiet': True, **kw}
+  return shards.prepare(cfg, out, **kw)
+
+
+def shard_bytes(out: pathlib.Path) -> dict:
+  return {p.name: p.read_bytes() for p in sorted(out.glob('*.bin'))}
+
+
+def test_shards_hold_every_document_then_eos_in_order(tmp_path):
+  corpus = write_corpus(tmp_path / 'c.jsonl', 300)
+  index = prepare(text_cfg(corpus), tmp_path / 'out')
+  tok = tokenizer_lib.get(str(tmp_path / 'out' / 'tokenizer.json'), [], 300)
+  docs = list(sources.iter_files(str(corpus), DataConfig()))
+  held = shards.is_val(0, np.arange(len(docs)), 0.1)
+  assert 10 < held.sum() < 60  # about val_fraction of the documents
+  for split, want_val in (('train', False), ('val', True)):
+    ref = [t for d, v in zip(docs, held) if v == want_val
+           for t in tok.encode_batch([d])[0].tolist() + [tok.eos_id]]
+    entry = index['splits'][split]
+    got = np.concatenate([np.fromfile(tmp_path / 'out' / s['file'], '<u2')
+                          for s in entry['shards']])
+    assert got.tolist() == ref
+    assert entry['docs'] == sum(s['docs'] for s in entry['shards']) == (held == want_val).sum()
+    sizes = [s['tokens'] for s in entry['shards']]
+    assert set(sizes[:-1]) == {index['shard_tokens'][split]} and 0 < sizes[-1]
+    # docs per shard = documents whose EOS lies in that shard
+    ends = np.cumsum([s['tokens'] for s in entry['shards']])
+    eos_at = np.flatnonzero(got == tok.eos_id)
+    assert [s['docs'] for s in entry['shards']] == np.diff(
+        np.searchsorted(eos_at, ends), prepend=0).tolist()
+  assert index['complete'] and index['dtype'] == 'uint16'
+  assert index['tokenizer']['fingerprint'] == tokenizer_info(tok)['fingerprint']
+
+
+def test_hf_stream_is_prepared_whole(tmp_path, monkeypatch):
+  rows = [{'text': f' row {i} '} for i in range(300)] + [{'text': '  '}]
+  monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(
+      load_dataset=lambda name, config, split, streaming: iter(rows)))
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: True)
+  index = prepare(DataConfig(source='hf', hf_name='a/b', tokenizer='train'), tmp_path / 'hf')
+  assert index['origin'] == 'hf:a/b'
+  assert index['splits']['train']['docs'] + index['splits']['val']['docs'] == 300
+
+
+def test_tfds_splits_are_kept(tmp_path, tiny_tfds):
+  cfg = DataConfig(source='tfds', tfds_name=tiny_tfds[0], tfds_data_dir=tiny_tfds[1],
+                   tokenizer='train')
+  index = prepare(cfg, tmp_path / 'out', shard_tokens=50)
+  tok = tokenizer_lib.get(str(tmp_path / 'out' / 'tokenizer.json'), [], 300)
+  for split, prefix, n in (('train', 't', 12), ('val', 'v', 3)):
+    ids = np.concatenate([np.fromfile(tmp_path / 'out' / s['file'], '<u2')
+                          for s in index['splits'][split]['shards']])
+    docs = [d for d in tok.decode(ids).split(tokenizer_lib.EOS) if d]
+    assert sorted(docs) == sorted(f'{prefix} story {i}' for i in range(n))  # tfds order
+
+
+def test_split_is_seeded_and_stable():
+  idx = np.arange(100_000)
+  a, b = shards.is_val(0, idx, 0.05), shards.is_val(1, idx, 0.05)
+  assert abs(a.mean() - 0.05) < 0.005 and (a != b).any()
+  assert (shards.is_val(0, idx[500:900], 0.05) == a[500:900]).all()  # batch-independent
+  assert shards.dtype_for(65536) == 'uint16' and shards.dtype_for(65537) == 'uint32'
+
+
+@pytest.mark.parametrize('crash_after', [1, 4, 9, -1, 0])
+def test_crash_between_shard_and_index_then_rerun_is_byte_identical(tmp_path, monkeypatch,
+                                                                     crash_after):
+  corpus = write_corpus(tmp_path / 'c.jsonl', 400)
+  ref = prepare(text_cfg(corpus), tmp_path / 'ref')
+  n_shards = sum(len(ref['splits'][s]['shards']) for s in shards.SPLITS)
+  if crash_after <= 0:  # -1: during the final flush (tails), 0: the last shard's commit
+    crash_after += n_shards
+  real, calls = shards.Writer.commit, []
+
+  def crashing_commit(self, complete=False):
+    calls.append(1)
+    if len(calls) == crash_after:  # the shard is renamed, its index entry not yet written
+      raise KeyboardInterrupt
+    real(self, complete)
+
+  monkeypatch.setattr(shards.Writer, 'commit', crashing_commit)
+  with pytest.raises(KeyboardInterrupt):
+    prepare(text_cfg(corpus), tmp_path / 'out')
+  monkeypatch.setattr(shards.Writer, 'commit', real)
+  partial = json.loads((tmp_path / 'out' / 'index.json').read_text())
+  assert not partial['complete']
+  other_tok = tmp_path / 'other.json'
+  tokenizer_lib.get('train', ['zz yy xx ww'] * 10, 290).save(other_tok)
+  with pytest.raises(DataError, match=r'other settings \(tokenizer.fingerprint'):
+    prepare(text_cfg(corpus, tokenizer=str(other_tok)), tmp_path / 'out')
+  prepare(text_cfg(corpus), tmp_path / 'out', resume=True)
+  assert shard_bytes(tmp_path / 'out') == shard_bytes(tmp_path / 'ref')
+  ref_index = json.loads((tmp_path / 'ref' / 'index.json').read_text())
+  assert json.loads((tmp_path / 'out' / 'index.json').read_text()) == ref_index
+
+
+def test_sigkill_subprocess_then_rerun_is_byte_identical(tmp_path):
+  corpus = write_corpus(tmp_path / 'c.jsonl', 6000)
+  args = ['--config.data.source=text', f'--config.data.paths={corpus}',
+          '--config.data.val_fraction=0.1', '--config.model.vocab_size=300',
+          '--shard_tokens=2000', '--batch_docs=16', '--quiet']
+  out = tmp_path / 'out'
+  env = {**os.environ, 'PYTHONPATH': str(REPO)}
+  proc = subprocess.Popen([sys.executable, '-m', 'experiments.prepare_data', f'--out={out}',
+                           *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+  deadline = time.time() + 120
+  while time.time() < deadline and proc.poll() is None:
+    index = shards.read_index(out) if (out / 'index.json').is_file() else None
+    if index and len(index['splits']['train']['shards']) >= 3:
+      break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  partial = shards.read_index(out)
+  assert proc.returncode == -signal.SIGKILL and not partial['complete'], 'killed too late'
+  conflict = subprocess.run([sys.executable, '-m', 'experiments.prepare_data', f'--out={out}',
+                             *args, '--config.data.seed=3'], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+  assert conflict.returncode == 2
+  assert conflict.stderr.strip().splitlines()[-1].startswith(
+      f'error: {out} was prepared with other settings (source.seed')
+  cfg = text_cfg(corpus)
+  prepare(cfg, out, batch_docs=16)  # the rerun (in-process: it saves a process start)
+  prepare(cfg, tmp_path / 'ref', batch_docs=16)
+  assert shard_bytes(out) == shard_bytes(tmp_path / 'ref')
+  assert not list(out.glob('.*.tmp'))
+
+
+def test_rerun_of_complete_dir_does_nothing_and_other_settings_are_refused(tmp_path):
+  corpus = write_corpus(tmp_path / 'c.jsonl', 100)
+  out = tmp_path / 'out'
+  prepare(text_cfg(corpus), out)
+  before = shard_bytes(out)
+  prepare(text_cfg(corpus), out)
+  assert shard_bytes(out) == before
+  other_tok = tmp_path / 'other.json'
+  tokenizer_lib.get('train', ['zz yy xx ww'] * 10, 290).save(other_tok)
+  with pytest.raises(DataError, match=r'other settings \(tokenizer.fingerprint.*never mixed'):
+    prepare(text_cfg(corpus, tokenizer=str(other_tok)), out)
+  with pytest.raises(DataError, match=r'source.seed.*never mixed'):
+    prepare(text_cfg(corpus, seed=3), out)
+  with pytest.raises(DataError, match='shard_tokens'):
+    prepare(text_cfg(corpus), out, shard_tokens=999)
+  assert shard_bytes(out) == before
+
+
+def test_errors(tmp_path, monkeypatch):
+  (tmp_path / 'empty.jsonl').write_text('\n', encoding='utf-8')
+  (tmp_path / 'bad.txt').write_bytes(b'fine<|endoftext|>bad \xff byte')
+  corpus = write_corpus(tmp_path / 'c.jsonl', 20)
+  cases = [
+      (text_cfg(tmp_path / 'empty.jsonl'), 'empty corpus'),
+      (text_cfg(tmp_path / 'bad.txt', tokenizer=str(tmp_path / 'tok.json')),
+       r'bad\.txt: not valid UTF-8 at byte offset 21'),
+      (text_cfg(corpus, source='tokens'), 'already token ids'),
+      (text_cfg(tmp_path / 'nope.jsonl'), 'no such file'),
+      (DataConfig(source='hf', hf_name='a/b'), 'optional `datasets` package'),
+  ]
+  tokenizer_lib.get('train', ['fine bad byte'] * 10, 290).save(tmp_path / 'tok.json')
+  monkeypatch.setitem(sys.modules, 'datasets', None)
+  for i, (cfg, match) in enumerate(cases):
+    with pytest.raises(DataError, match=match):
+      prepare(cfg, tmp_path / f'out{i}')
+  monkeypatch.setitem(sys.modules, 'datasets', object())
+  monkeypatch.setattr(sources, 'hub_reachable', lambda: False)
+  with pytest.raises(DataError, match='unreachable'):
+    prepare(DataConfig(source='hf', hf_name='a/b'), tmp_path / 'hf')
+  with pytest.raises(DataError, match=r'larger than model.vocab_size=100'):
+    prepare(text_cfg(corpus, tokenizer=str(tmp_path / 'tok.json')), tmp_path / 'v',
+            vocab_size=100)
+  (tmp_path / 'busy').mkdir()
+  (tmp_path / 'busy' / 'notes.txt').write_text('x')
+  with pytest.raises(DataError, match='non-empty directory without index.json'):
+    prepare(text_cfg(corpus), tmp_path / 'busy')
+  with pytest.raises(DataError, match='--resume: .* holds no index.json'):
+    prepare(text_cfg(corpus), tmp_path / 'fresh', resume=True)
+  with pytest.raises(DataError, match='no val document among 3'):
+    prepare(text_cfg(corpus, max_docs=3), tmp_path / 'few')

@@ -1,0 +1,160 @@
+"""Tests of data.source=tokens (tokens.py): memory-mapped shards as training windows."""
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from elastic_depth import config as config_lib
+from elastic_depth.config import DataConfig
+from elastic_depth.data import pipeline, shards, tokenizer as tokenizer_lib
+from elastic_depth.data.errors import DataError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / 'shared' / 'data'
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f'{SHARED} absent')
+FINEWEB = sorted((SHARED / 'fineweb_edu').glob('*.jsonl'))
+
+
+def rss_bytes() -> int:
+  """Resident set size of this process (Linux)."""
+  with open('/proc/self/statm', encoding='ascii') as f:
+    return int(f.read().split()[1]) * 4096
+
+
+def synth_prepared(out: pathlib.Path, **kw) -> DataConfig:
+  """Synthetic programs prepared with a small trained BPE; returns the tokens DataConfig."""
+  cfg = DataConfig(source='synthetic', synth_task='binding', synth_examples=300,
+                   tokenizer='train', seed=0)
+  shards.prepare(cfg, out, vocab_size=300, shard_tokens=kw.get('shard_tokens', 1500),
+                 quiet=True)
+  return DataConfig(source='tokens', paths=str(out), seed=kw.get('seed', 0))
+
+
+@needs_shared
+def test_same_windows_as_the_in_memory_text_source(tmp_path):
+  text = DataConfig(source='text', paths=f'{FINEWEB[0]},{FINEWEB[1]}', val_paths=str(FINEWEB[2]),
+                    tokenizer=str(SHARED / 'tokenizers' / 'gpt2'), max_docs=120)
+  shards.prepare(text, tmp_path / 'fw', vocab_size=50257, shard_tokens=30_000, quiet=True)
+  kw = dict(seq_len=64, batch_size=4, vocab_size=50257)
+  ref = pipeline.build(text, **kw)
+  got = pipeline.build(DataConfig(source='tokens', paths=str(tmp_path / 'fw')), **kw)
+  assert len(got.train_windows.files) > 3  # windows cross shard boundaries
+  for split in ('train_windows', 'val_windows'):
+    a, b = getattr(ref, split), getattr(got, split)
+    assert len(a) == len(b) > 100 and a.num_tokens == b.num_tokens
+    for i in range(len(a)):
+      for k, v in a[i].items():
+        np.testing.assert_array_equal(b[i][k], v, err_msg=f'{split} {i} {k}')
+  # max_docs caps each part: paths and val_paths
+  assert (got.stats['train_docs'], got.stats['val_docs']) == (120, 120)
+  for a, b in zip(ref.val_batches(3), got.val_batches(3)):
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+  assert 'at most 120 documents per part' in got.describe()
+
+
+def test_iterator_state_resumes_the_same_stream_and_hosts_are_disjoint(tmp_path):
+  cfg = synth_prepared(tmp_path / 's')
+  kw = dict(seq_len=16, batch_size=4, vocab_size=300)
+  data = pipeline.build(cfg, workdir=tmp_path / 'wd', **kw)
+  assert (tmp_path / 'wd' / 'tokenizer.json').read_bytes() == (
+      tmp_path / 's' / 'tokenizer.json').read_bytes()
+  n = len(data.train_windows)
+  epoch = [next(data.train_iter) for _ in range(n // 4)]
+  seen = np.concatenate([b['inputs'] for b in epoch])
+  every = np.stack([data.train_windows[i]['inputs'] for i in range(n)])
+  # one epoch draws every window once (up to the dropped remainder), in shuffled order
+  assert len({r.tobytes() for r in seen}) == len(seen)
+  assert {r.tobytes() for r in seen} <= {r.tobytes() for r in every}
+  assert not np.array_equal(seen, every[:len(seen)])
+  state = data.train_iter.get_state()
+  after = [next(data.train_iter) for _ in range(5)]
+  again = pipeline.batch_iterator(pipeline.build(cfg, **kw).train_ds)
+  again.set_state(json.loads(json.dumps(state)))
+  for a in after:
+    b = next(again)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+  hosts = [pipeline.build(cfg, shard_index=i, shard_count=2, **kw) for i in range(2)]
+  rows = [{r.tobytes() for _ in range(n // 8) for r in next(h.train_iter)['inputs']}
+          for h in hosts]
+  assert not rows[0] & rows[1] and len(rows[0] | rows[1]) == 2 * (n // 8) * 4
+
+
+def test_two_billion_sparse_tokens_keep_rss_flat(tmp_path):
+  out = tmp_path / 'big'
+  out.mkdir()
+  tok = tokenizer_lib.get('train', ['a b c d e f g'] * 20, 300)
+  tok.save(out / 'tokenizer.json')
+  sizes = {'train': [2**30, 2**30 + 12345], 'val': [1_000_000]}
+  for split, ns in sizes.items():
+    for k, n in enumerate(ns):
+      with open(out / f'{split}-{k:05d}.bin', 'wb') as f:
+        f.truncate(2 * n)  # sparse: no disk used; reads as token 0
+  index = {'format': shards.FORMAT, 'complete': True, 'origin': 'sparse test',
+           'source': {'max_docs': 0}, 'dtype': 'uint16',
+           'tokenizer': {'file': 'tokenizer.json', **tokenizer_lib.tokenizer_info(tok)},
+           'splits': {s: {'docs': 1, 'tokens': sum(ns), 'shards': [
+               {'file': f'{s}-{k:05d}.bin', 'tokens': n, 'docs': 1} for k, n in enumerate(ns)]}
+                      for s, ns in sizes.items()}}
+  (out / 'index.json').write_text(json.dumps(index))
+  before = rss_bytes()
+  data = pipeline.build(DataConfig(source='tokens', paths=str(out)), seq_len=2048,
+                        batch_size=16, vocab_size=300)
+  assert data.train_windows.num_tokens > 2e9
+  for _ in range(200):
+    batch = next(data.train_iter)
+  data.val_batches(2)
+  assert batch['inputs'].shape == (16, 2048) and (batch['inputs'] == 0).all()
+  grown = rss_bytes() - before
+  assert grown < 200e6, f'RSS grew by {grown / 1e6:.0f} MB'
+  for _ in range(800):  # flat: read pages are released (without it: +100 MB here)
+    next(data.train_iter)
+  more = rss_bytes() - before - grown
+  assert more < 40e6, f'RSS grew by {more / 1e6:.0f} MB more over 800 batches'
+
+
+def test_errors(tmp_path):
+  kw = dict(seq_len=16, batch_size=4, vocab_size=300)
+  with pytest.raises(DataError, match='needs --config.data.paths=DIR'):
+    pipeline.build(DataConfig(source='tokens'), **kw)
+  with pytest.raises(DataError, match='no such directory'):
+    pipeline.build(DataConfig(source='tokens', paths=str(tmp_path / 'none')), **kw)
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(DataError, match='has no index.json'):
+    pipeline.build(DataConfig(source='tokens', paths=str(tmp_path / 'empty')), **kw)
+  cfg = synth_prepared(tmp_path / 's')
+  with pytest.raises(DataError, match=r'val split .* fewer than one sequence'):
+    pipeline.build(cfg, **{**kw, 'seq_len': 2000})
+  with pytest.raises(DataError, match='larger than model.vocab_size=200'):
+    pipeline.build(cfg, **{**kw, 'vocab_size': 200})
+  index_path = tmp_path / 's' / 'index.json'
+  index = json.loads(index_path.read_text())
+  index_path.write_text(json.dumps({**index, 'complete': False}))
+  with pytest.raises(DataError, match='only partly prepared.*rerunning'):
+    pipeline.build(cfg, **kw)
+  index_path.write_text(json.dumps(index))
+  with open(tmp_path / 's' / 'train-00000.bin', 'r+b') as f:
+    f.truncate(10)
+  with pytest.raises(DataError, match=r'train-00000.bin: 10 bytes, expected 1500 uint16'):
+    pipeline.build(cfg, **kw)
+  other = tokenizer_lib.get('train', ['x y z'] * 10, 280)
+  other.save(tmp_path / 's' / 'tokenizer.json')
+  with pytest.raises(DataError, match='not the tokenizer the shards were written with'):
+    pipeline.build(cfg, **kw)
+
+
+def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
+  from elastic_depth import train  # pylint: disable=g-import-not-at-top
+  data = synth_prepared(tmp_path / 's')
+  cfg = make_config(model=dict(vocab_size=300), train=dict(
+      steps=2, eval_every=2, ckpt_every=2, log_every=1, eval_batches=1, seq_len=16,
+      eval_depths=(1,)), depth=dict(buckets=(1,), r_max=1, mean=1.0, sigma=0.0))
+  cfg = dataclasses.replace(cfg, data=data)
+  config_lib.validate(cfg)
+  summary = train.run(cfg, str(tmp_path / 'wd'), quiet=True)
+  assert np.isfinite(list(summary['val_loss'].values())).all()
+  saved = json.loads((tmp_path / 'wd' / 'config.json').read_text())
+  assert saved['data']['source'] == 'tokens'
+  assert (tmp_path / 'wd' / 'tokenizer.json').is_file()

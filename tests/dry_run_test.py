@@ -1,0 +1,54 @@
+"""`pretrain --dry_run`: every check, the step compiled ahead of time, nothing trained."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+
+from elastic_depth import config as config_lib, distributed, dry_run, model as model_lib
+from pretrain_errors_test import TINY, tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_dry_run_compiles_reports_memory_and_trains_nothing(tmp_path):
+  wd = tmp_path / 'wd'
+  out = subprocess.run([sys.executable, '-m', 'experiments.pretrain', f'--workdir={wd}',
+                        *TINY, '--dry_run'], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  assert 'params' in text and 'remat_on' in text and 'remat_off' in text
+  assert 'H200' in text and 'TPU v5e' in text
+  assert not (wd / 'checkpoints').exists() and not (wd / 'metrics.jsonl').exists()
+
+
+def test_dry_run_still_refuses_bad_input(tmp_path):
+  out = subprocess.run([sys.executable, '-m', 'experiments.pretrain',
+                        f'--workdir={tmp_path / "wd"}', *TINY, '--dry_run',
+                        '--config.data.source=text', f'--config.data.paths={tmp_path}/none.txt'],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 2 and out.stderr.strip().startswith('error:'), out.stderr[-2000:]
+  assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_memory_grows_with_the_batch_and_the_plan_counts_flops():
+  cfg = tiny_config()
+  mesh = distributed.make_mesh(jax.devices()[:1])
+  small = dry_run.compiled_memory(cfg, mesh)
+  big_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=16))
+  big = dry_run.compiled_memory(big_cfg, mesh)
+  assert big['temp_size_in_bytes'] > small['temp_size_in_bytes'] > 0
+  # arguments hold the parameters and two Adam moments (fp32) plus the batch
+  n = model_lib.count_params(cfg.model)
+  assert small['argument_size_in_bytes'] >= 3 * 4 * n
+  p = dry_run.plan(cfg, mfu=0.5)
+  tokens = cfg.train.batch_size * cfg.train.seq_len
+  assert p['tokens_per_step'] == tokens and p['params'] == n
+  want = 3 * model_lib.flops_per_token(cfg.model, cfg.depth.mean, cfg.train.seq_len)['total']
+  assert p['train_flops_per_token'] == want
+  assert p['hours_one_device']['H200'] == (
+      want * tokens * cfg.train.steps / (989e12 * 0.5) / 3600)
+  config_lib.validate(cfg)
