@@ -149,6 +149,40 @@ def _scatter_kv(kv_prev, idx_BxC, pos_BxL, pos_BxC):
   return fn
 
 
+def _compact_readout(model, s, s_new, idx, pos, coda_kv, compact_coda, needs_head, read):
+  """(h of the gathered tokens, coda kv buffers) at a loop whose p_i a check reads.
+
+  Elsewhere (read False) h is zeros and the buffers are unchanged; without a KL policy
+  there is no readout.
+  """
+  if compact_coda:
+    pos_c = recurrence.gather_rows(pos, idx)
+    return lax.cond(read, lambda: model.decode_state(
+        s_new, pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in coda_kv]),
+                    lambda: (jnp.zeros_like(s_new), coda_kv))
+  if needs_head:  # later coda blocks depend on every token: run all, gather
+    full = lambda: model.decode_state(recurrence.scatter_rows(s, idx, s_new), pos)[0]
+    return lax.cond(read, lambda: recurrence.gather_rows(full(), idx),
+                    lambda: jnp.zeros_like(s_new)), coda_kv
+  return jnp.zeros((), s_new.dtype), coda_kv
+
+
+def _gathered_check(check_fn, chk: policies.CheckCarry, idx, s_new, s_c, i, needs_head):
+  """check_fn on the gathered tokens, with the gathered part of its full-size carry.
+
+  Returns (exit_BxC, the carry scattered back, readouts and head products it ran).
+  """
+  g = lambda x: recurrence.gather_rows(x, idx)
+  put = lambda x, y: recurrence.scatter_rows(x, idx, y)
+  c = policies.CheckCarry(g(chk.prev) if needs_head else chk.prev, jnp.int32(0),
+                          jnp.int32(0), g(chk.coda_BxL), g(chk.head_BxL))
+  valid = idx < chk.coda_BxL.shape[1]  # padding slots point past the row
+  want, c, _ = check_fn(s_new, s_c, c, i, valid)
+  chk = policies.CheckCarry(put(chk.prev, c.prev) if needs_head else chk.prev, chk.coda,
+                            chk.head, put(chk.coda_BxL, c.coda_BxL), put(chk.head_BxL, c.head_BxL))
+  return want, chk, c.coda, c.head
+
+
 def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
                       exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
                       steps: int = 8):
@@ -187,30 +221,17 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     def step(idx, s, carry, i):
       kv, coda_kv, chk, n_coda, n_head = carry
       g = lambda x: recurrence.gather_rows(x, idx)
-      put = lambda x, y: recurrence.scatter_rows(x, idx, y)
-      pos_c, s_c, valid = g(pos), g(s), idx < l
+      pos_c, s_c = g(pos), g(s)
       s_new, kv = model.core_step(s_c, g(e), pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in kv])
-      h_new = jnp.zeros((), s0.dtype)
-      if compact_coda:
-        h_new, coda_kv = lax.cond(is_check(i) | is_check(i + 1), lambda: model.decode_state(
-            s_new, pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in coda_kv]),
-                                  lambda: (jnp.zeros_like(s_new), coda_kv))
-      elif needs_head:
-        h_new = lax.cond(is_check(i) | is_check(i + 1),
-                         lambda: g(model.decode_state(put(s, s_new), pos)[0]),
-                         lambda: jnp.zeros_like(s_new))
+      h_new, coda_kv = _compact_readout(model, s, s_new, idx, pos, coda_kv, compact_coda,
+                                        needs_head, is_check(i) | is_check(i + 1))
       check_fn, _ = policies.make_check_fn(
           policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
           check_every=cfg.check_every, gate=cfg.gate)
-      chk_c = policies.CheckCarry(g(chk.prev) if needs_head else chk.prev, jnp.int32(0),
-                                  jnp.int32(0), g(chk.coda_BxL), g(chk.head_BxL))
-      want, chk_c, _ = check_fn(s_new, s_c, chk_c, i, valid)
-      chk = policies.CheckCarry(put(chk.prev, chk_c.prev) if needs_head else chk.prev,
-                                chk.coda, chk.head, put(chk.coda_BxL, chk_c.coda_BxL),
-                                put(chk.head_BxL, chk_c.head_BxL))
-      n_coda += chk_c.coda * b * (idx.shape[1] if compact_coda else l)
-      n_head += chk_c.head * b * idx.shape[1]
+      want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, s_new, s_c, i, needs_head)
+      n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
+      n_head += head_n * b * idx.shape[1]
       if exit_mask_BxL is not None:
         want = want & g(exit_mask_BxL)
       if schedule_BxL is not None:

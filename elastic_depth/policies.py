@@ -105,6 +105,82 @@ def _flat(x):
   return x.reshape(-1, x.shape[-1])
 
 
+class _HeadCheck(NamedTuple):
+  """What a KL-policy check needs to read p_i (static settings and closures)."""
+  policy: ExitPolicy
+  readout: Callable
+  w_VxD: jax.Array
+  targets_BxL: Optional[jax.Array]
+  trace: bool
+  kernel: bool
+  is_check: Callable
+
+
+def _no_stats(shape):
+  inf = jnp.full(shape, jnp.inf, jnp.float32)
+  return {'kl': inf, 'rkl': inf, 'argmax': jnp.zeros(shape, jnp.int32),
+          'lse': jnp.zeros(shape, jnp.float32), 'logit_t': jnp.zeros(shape, jnp.float32)}
+
+
+def _logit_stats(hc: _HeadCheck, a, prev, shape):
+  """KL statistics of p_i (logits a) against the carried p_{i-1}: no head product."""
+  st = _no_stats(shape)
+  if hc.trace or hc.policy != ExitPolicy.REVERSE_KL:
+    kl, am, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(prev))
+    st.update(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape))
+  if hc.trace or hc.policy == ExitPolicy.REVERSE_KL:
+    st['rkl'] = kl_halting.reference_kl_from_logits(_flat(prev), _flat(a))[0].reshape(shape)
+  if hc.trace and hc.targets_BxL is not None:
+    st['logit_t'] = jnp.take_along_axis(a, hc.targets_BxL[..., None], -1)[..., 0]
+  return st
+
+
+def _kernel_stats(hc: _HeadCheck, h, h_old, shape):
+  """KL statistics from the fused kernel (two head products; p_{i-1} from its hidden)."""
+  hn, ho = _flat(h), _flat(h_old)
+  if hc.policy == ExitPolicy.REVERSE_KL:
+    return dict(_no_stats(shape), rkl=kl_halting.kl_halting_auto(ho, hn, hc.w_VxD)[0].reshape(shape))
+  kl, am, _ = kl_halting.kl_halting_auto(hn, ho, hc.w_VxD)
+  return dict(_no_stats(shape), kl=kl.reshape(shape), argmax=am.reshape(shape))
+
+
+def _head_stats(hc: _HeadCheck, s_new, carry: CheckCarry, i, active):
+  """(stats of the check at loop i, carry with p_i); a readout only where one is read."""
+  shape = s_new.shape[:2]
+  check = hc.is_check(i)
+
+  def run(c):
+    h = hc.readout(s_new)
+    if hc.kernel:
+      st = lax.cond(check, lambda: _kernel_stats(hc, h, c.prev, shape),
+                    lambda: _no_stats(shape))
+      two = 2 * check.astype(jnp.int32)
+      return st, _counted(c, h, active, 1, 0)._replace(
+          head=c.head + two, head_BxL=c.head_BxL + two * active.astype(jnp.int32))
+    a = _flat_logits(h, hc.w_VxD)
+    st = (_logit_stats(hc, a, c.prev, shape) if hc.trace else
+          lax.cond(check, lambda: _logit_stats(hc, a, c.prev, shape), lambda: _no_stats(shape)))
+    return st, _counted(c, a, active, 1, 1)
+
+  if hc.trace:
+    return run(carry)
+  return lax.cond(check | hc.is_check(i + 1), run, lambda c: (_no_stats(shape), c), carry)
+
+
+def _decide(policy: ExitPolicy, stats, i, eps, gate):
+  """The exit decision of a policy from its statistics (none at loop 1 but the router's)."""
+  first = i < 2  # no previous distribution at loop 1
+  rules = {
+      ExitPolicy.UNIFORM: lambda: jnp.zeros_like(stats['delta'], bool),
+      ExitPolicy.KL: lambda: (stats['kl'] < eps) & ~first,
+      ExitPolicy.GATED_KL: lambda: (stats['kl'] < eps) & (stats['delta'] < gate) & ~first,
+      ExitPolicy.REVERSE_KL: lambda: (stats['rkl'] < eps) & ~first,
+      ExitPolicy.STATE_DELTA: lambda: (stats['delta'] < eps) & ~first,
+      ExitPolicy.ROUTER: lambda: stats['p_change'] < eps,
+  }
+  return rules[policy]()
+
+
 def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None,
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
@@ -134,11 +210,10 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
   """
   policy = ExitPolicy(policy)
   needs_head = trace or policy in (ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.REVERSE_KL)
-  kernel = needs_head and not trace and kl_halting.kernel_active(use_kernel)
   first_check = max(min_loops, 2)
-
-  def is_check(i):
-    return (i >= first_check) & ((i - min_loops) % check_every == 0)
+  hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace,
+                  needs_head and not trace and kl_halting.kernel_active(use_kernel),
+                  lambda i: (i >= first_check) & ((i - min_loops) % check_every == 0))
 
   def carry0(s0):
     b, l = s0.shape[:2]
@@ -147,58 +222,16 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     if not needs_head:
       return empty
     if trace:  # the loop-1 stats compare with the initial state's readout
-      h0 = readout(s0)
-      return _counted(empty, _flat_logits(h0, w_VxD), jnp.ones((b, l), bool), 1, 1)
-    prev = (jnp.zeros_like(s0) if kernel else
+      return _counted(empty, _flat_logits(readout(s0), w_VxD), jnp.ones((b, l), bool), 1, 1)
+    prev = (jnp.zeros_like(s0) if hc.kernel else
             jnp.zeros((b, l, w_VxD.shape[0]), jnp.float32))
     return empty._replace(prev=prev)
-
-  def head_stats(s_new, carry, i, active):
-    """(stats of the check at loop i, carry with p_i); a readout only where one is read."""
-    shape = s_new.shape[:2]
-    inf = jnp.full(shape, jnp.inf, jnp.float32)
-    none = {'kl': inf, 'rkl': inf, 'argmax': jnp.zeros(shape, jnp.int32),
-            'lse': jnp.zeros(shape, jnp.float32), 'logit_t': jnp.zeros(shape, jnp.float32)}
-
-    def logit_stats(a, prev):  # from the carried logits: no head product
-      st = dict(none)
-      if trace or policy != ExitPolicy.REVERSE_KL:
-        kl, am, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(prev))
-        st.update(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape))
-      if trace or policy == ExitPolicy.REVERSE_KL:
-        st['rkl'] = kl_halting.reference_kl_from_logits(_flat(prev), _flat(a))[0].reshape(shape)
-      if trace and targets_BxL is not None:
-        st['logit_t'] = jnp.take_along_axis(a, targets_BxL[..., None], -1)[..., 0]
-      return st
-
-    def kernel_kl(h, h_old):
-      hn, ho = (_flat(h), _flat(h_old))
-      if policy == ExitPolicy.REVERSE_KL:
-        return dict(none, rkl=kl_halting.kl_halting_auto(ho, hn, w_VxD)[0].reshape(shape))
-      kl, am, _ = kl_halting.kl_halting_auto(hn, ho, w_VxD)
-      return dict(none, kl=kl.reshape(shape), argmax=am.reshape(shape))
-
-    def run(c):
-      h = readout(s_new)
-      if kernel:
-        st = lax.cond(is_check(i), lambda: kernel_kl(h, c.prev), lambda: none)
-        return st, _counted(c, h, active, 1, 0)._replace(
-            head=c.head + 2 * is_check(i), head_BxL=c.head_BxL
-            + 2 * (active & is_check(i)).astype(jnp.int32))
-      a = _flat_logits(h, w_VxD)
-      st = (logit_stats(a, c.prev) if trace else
-            lax.cond(is_check(i), lambda: logit_stats(a, c.prev), lambda: none))
-      return st, _counted(c, a, active, 1, 1)
-
-    if trace:
-      return run(carry)
-    return lax.cond(is_check(i) | is_check(i + 1), run, lambda c: (none, c), carry)
 
   def check_fn(s_new, s_old, carry, i, active=None):
     active = jnp.ones(s_new.shape[:2], bool) if active is None else active
     stats = {'delta': relative_change(s_new, s_old)}
     if needs_head:
-      st, carry = head_stats(s_new, carry, i, active)
+      st, carry = _head_stats(hc, s_new, carry, i, active)
       stats.update(kl=st['kl'], argmax=st['argmax'])
       if trace or policy == ExitPolicy.REVERSE_KL:
         stats['rkl'] = st['rkl']
@@ -206,17 +239,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
         stats['nll'] = st['lse'] - st['logit_t']
     if router is not None:
       stats['p_change'] = jax.nn.sigmoid(router_logit(router, s_new))
-    first = i < 2  # no previous distribution at loop 1
-    exit_map = {
-        ExitPolicy.UNIFORM: lambda: jnp.zeros_like(stats['delta'], bool),
-        ExitPolicy.KL: lambda: (stats['kl'] < eps) & ~first,
-        ExitPolicy.GATED_KL: lambda: (stats['kl'] < eps) & (stats['delta'] < gate) & ~first,
-        ExitPolicy.REVERSE_KL: lambda: (stats['rkl'] < eps) & ~first,
-        ExitPolicy.STATE_DELTA: lambda: (stats['delta'] < eps) & ~first,
-        ExitPolicy.ROUTER: lambda: stats['p_change'] < eps,
-    }
-    out_stats = stats if trace else {}
-    return exit_map[policy](), carry, out_stats
+    return _decide(policy, stats, i, eps, gate), carry, stats if trace else {}
 
   return check_fn, carry0
 
