@@ -13,6 +13,7 @@ output at uniform depth i, so `trace.stats['nll'][i - 1]` is the loss at depth i
 
 import dataclasses
 import functools
+import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -391,7 +392,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           router_grid: Optional[Sequence[float]] = None,
           extra_curves: Optional[Mapping[str, Curve]] = None,
           semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
-          trace: Optional[Trace] = None, progress: bool = False) -> dict:
+          trace: Optional[Trace] = None, timing_repeats: int = 3,
+          progress: bool = False) -> dict:
   """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
 
   Args:
@@ -407,6 +409,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
       named '<curve>@cached'; A0 stays the parallel uniform-depth run).
     gate: gated_kl's gate (default: the median relative state change at loop 2).
     trace: a precomputed trace of the same batches and rng (else computed here).
+    timing_repeats: the best point of each curve is timed against A0 at ref_depth
+      (`wall_clock`, medians of this many interleaved runs; 0: not timed).
     progress: tqdm bars.
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
@@ -433,5 +437,39 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   for name, spec in specs.items():
     pts = policy_curve(model, batches, rng, spec, r_max, progress)
     out['curves'][name] = pts
-    out['headline'][name] = headline(a0, pts, ref_depth, delta)
+    out['headline'][name] = h = headline(a0, pts, ref_depth, delta)
+    if h['best'] is not None and timing_repeats > 0:
+      h['best']['wall_clock'] = wall_clock(model, batches, rng, spec, h['best']['threshold'],
+                                           ref_depth, r_max, timing_repeats)
   return out
+
+
+def wall_clock(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+               rng: jax.Array, curve: Curve, threshold: float, ref_depth: float,
+               r_max: int, repeats: int = 3) -> dict:
+  """Median seconds to score the batches: the curve's policy at threshold against A0 at
+  the reference depth, in the curve's semantics and engine, interleaved in one run."""
+  run = _RUNS[Semantics(curve.semantics)]
+  depth = max(1, int(round(ref_depth)))
+  fns = {'policy': functools.partial(run, policy=ExitPolicy(curve.policy),
+                                     min_loops=curve.min_loops, r_max=r_max,
+                                     gate=float(curve.gate), mask_only=curve.mask_only),
+         'a0': functools.partial(run, policy=ExitPolicy.UNIFORM, min_loops=1, r_max=depth)}
+  eps = {'policy': jnp.float32(threshold), 'a0': jnp.float32(0.0)}
+
+  def once(name):
+    t0 = time.perf_counter()
+    for k, b in enumerate(batches):
+      jax.block_until_ready(fns[name](
+          model, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
+          batch_key(rng, k), eps[name], curve.router, jnp.asarray(b['mask'], jnp.float32)))
+    return time.perf_counter() - t0
+  times = {'policy': [], 'a0': []}
+  with jax.default_matmul_precision('highest'):
+    once('policy'), once('a0')  # compile
+    for _ in range(repeats):
+      for name in times:
+        times[name].append(once(name))
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  return {'a0_depth': depth, 'a0_s': med['a0'], 'policy_s': med['policy'],
+          'saving': 1.0 - med['policy'] / med['a0'], 'repeats': repeats}

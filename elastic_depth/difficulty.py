@@ -76,7 +76,7 @@ def report(model, batches: Sequence[Mapping[str, Any]], rng: jax.Array, r_max: i
   grid = list(eps_grid or analysis.default_grid())
   trace = analysis.trace_batches(model, batches, r_max, rng, progress)
   sweep = analysis.sweep(model, batches, rng, r_max, ref_depth, eps_grid=grid, delta=delta,
-                         trace=trace, progress=progress, extra_curves={
+                         trace=trace, progress=progress, timing_repeats=0, extra_curves={
                              'kl_answers': analysis.Curve('kl', grid, mask_only=True)})
   diff, sel = trace.difficulty, (trace.mask > 0) & (trace.difficulty > 0)
   ks = sorted(int(k) for k in np.unique(diff[sel]))

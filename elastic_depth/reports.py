@@ -152,11 +152,11 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
     b = h['best'] or {}
     rows.append([name, h['ref_loss'], b.get('threshold'), b.get('mean_loops'), b.get('loss'),
                  b.get('loop_saving'), b.get('flops_saving'), b.get('flops_active_saving'),
-                 b.get('a0_loss_same_loops'),
+                 (b.get('wall_clock') or {}).get('saving'), b.get('a0_loss_same_loops'),
                  b.get('gap_same_loops'), h['uniform_depth_within_delta']])
   md += table(['policy', 'A0 loss @ref', 'eps', 'mean loops', 'loss', 'loop saving',
                'FLOP saving (engine as run)', 'FLOP saving (active tokens, executed)',
-               'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
+               'wall-clock saving (same run)', 'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
               rows)
   a0 = res['a0']
   md += '\n## A0 (uniform depth)\n\n' + table(

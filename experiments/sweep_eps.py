@@ -36,6 +36,7 @@ class SweepOptions:
   router_grid: Optional[list[float]] = None
   semantics: tuple[str, ...] = ('parallel',)      # parallel (score), cached (decode_step)
   calibrated: bool = True                         # mark calibrate_eps's eps if chosen
+  timing_repeats: int = 3                         # time each best point against A0
 
 
 # EPS_GRID and DELTA are shared with experiments.calibrate_eps
@@ -57,6 +58,10 @@ ROUTER_GRID = flags.DEFINE_list('router_grid', None, 'A2 thresholds on P(change)
 SEMANTICS = flags.DEFINE_list('semantics', list(SweepOptions.semantics), 'Scoring '
                               'semantics of the curves: parallel (inference.score), cached '
                               '(token by token through decode_step; curves named <curve>@cached).')
+TIMING_REPEATS = flags.DEFINE_integer('timing_repeats', SweepOptions.timing_repeats,
+                                      'Time each curve\'s best point against A0 at the '
+                                      'training mean, interleaved, medians of this many '
+                                      'runs (0: no timing).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -71,7 +76,8 @@ def options_from_flags() -> SweepOptions:
                       curves=tuple(CURVES.value), router=ROUTER.value,
                       state_delta_grid=_floats(STATE_DELTA_GRID.value, 'state_delta_grid'),
                       router_grid=_floats(ROUTER_GRID.value, 'router_grid'),
-                      semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value)
+                      semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value,
+                      timing_repeats=TIMING_REPEATS.value)
 
 
 def _router(opts: common.Options, ld: common.Loaded):
@@ -100,6 +106,13 @@ def _calibrated(opts: common.Options) -> dict:
   return {} if eps is None else {'calibrated': analysis.Curve('kl', [eps])}
 
 
+def _timed(wc) -> str:
+  if not wc:
+    return ''
+  return (f"; wall-clock {100 * wc['saving']:.1f}% less than uniform depth {wc['a0_depth']} "
+          f"(median of {wc['repeats']}, same run)")
+
+
 def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   """Loads the workdir, runs A0 and the exit curves and writes the report."""
   bad = sorted(set(x.semantics) - {s.value for s in Semantics})
@@ -112,7 +125,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
                        ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,
-                       extra_curves=extra,
+                       extra_curves=extra, timing_repeats=x.timing_repeats,
                        progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
@@ -129,8 +142,9 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
             f"(loss {b['loss']:.4f} vs {h['ref_loss']:.4f} at depth {h['ref_depth']:g}; "
             f"{100 * b['loop_saving']:.1f}% fewer loops; FLOPs as executed: "
             f"{100 * b['flops_saving']:.1f}% fewer (the engine as run), "
-            f"{100 * b['flops_active_saving']:.1f}% fewer (active tokens only)); uniform depth at the same mean loops: {b['a0_loss_same_loops']:.4f}"
-            f" (gap {b['gap_same_loops']:+.4f})")
+            f"{100 * b['flops_active_saving']:.1f}% fewer (active tokens only)"
+            f"{_timed(b.get('wall_clock'))}); uniform depth at the same mean loops: "
+            f"{b['a0_loss_same_loops']:.4f} (gap {b['gap_same_loops']:+.4f})")
   print(f"report {paths['md']}")
   return {'results': res, 'paths': paths}
 

@@ -223,6 +223,9 @@ def test_sweep_wires_curves_and_headlines(setup):
   assert res['curves']['kl']['threshold'] == [0.0, 1e9]
   assert res['curves']['state_delta']['mean_loops'] == [2.0]
   assert res['a0']['loss'] == analysis.elasticity(trace)['loss']
+  wc = res['headline']['kl']['best']['wall_clock']  # timed by default, against A0 at 3
+  assert wc['a0_depth'] == 3 and wc['a0_s'] > 0 and wc['policy_s'] > 0
+  assert wc['saving'] == pytest.approx(1 - wc['policy_s'] / wc['a0_s'])
   with pytest.raises(ValueError, match='unknown curve'):
     analysis.sweep(mdl, batches, rng, R, 3, curves=('nope',), trace=trace)
 
