@@ -14,10 +14,11 @@ synthetic schedule: after each loop that share of the still-active tokens exits
 (random tokens, geometric depths capped at --depth). The KL check still runs at every
 loop (its cost is real); only its decision is replaced. Without it, --eps decides.
 
-Executed FLOPs (model.flops_per_token pieces, attention at L/2 per query) count what
-each engine runs: loops x tokens it runs them on (compacted: the active tokens, and
-`padded` the buffer slots), the check's coda per checked token (all tokens when the
-coda has > 1 block), two head matmuls per KL check, and the initial readout.
+Executed FLOPs come from the engines' own counts (`inference.Counts`, checked against
+an event log in tests/accounting_test.py) through `analysis.executed_flops`
+(model.flops_per_token pieces): loops, readouts (only where a check reads one) and head
+products as each engine ran them, the compacted engine's buffer padding included
+(`active_gflop`: the active tokens' share alone).
 realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against masked.
 """
 
@@ -32,7 +33,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from elastic_depth import config, inference, model as model_lib, recurrence
+from elastic_depth import analysis, config, inference, model as model_lib, recurrence
 from experiments import bench_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
@@ -55,30 +56,21 @@ def _schedule(shape, frac: float, depth: int, seed: int = 0):
   return jnp.asarray(np.minimum(r, depth), jnp.int32)
 
 
-def _flops(mcfg, l: int, active_R, n: int, checked_R, head_n: int) -> float:
-  """Executed FLOPs: prelude + final readout for n tokens, loops and checks as run."""
-  f = model_lib.flops_per_token(mcfg, 0, l)
-  coda = f['coda_head'] - f['head']
-  return (n * (f['prelude'] + f['coda_head']) + f['loop'] * float(np.sum(active_R))
-          + coda * float(np.sum(checked_R)) + f['head'] * head_n)
+def _books(mcfg, l: int, n: int, depth: int, counts: dict) -> dict:
+  """Executed forward FLOPs of each variant from its engine's own counts.
 
-
-def _books(mcfg, l: int, n: int, depth, loops: int, slots: int, kl: bool) -> dict:
-  """Executed FLOPs of the masked and compacted engines for one exit pattern."""
-  d = np.asarray(depth)
-  active_R = np.array([(d >= i).sum() for i in range(1, loops + 1)])
-  full_R = np.full(loops, n)
-  heads = 2 if kl else 0
-  comp_coda = active_R if mcfg.n_coda <= 1 else full_R
-  masked = _flops(mcfg, l, full_R, n, (np.append(full_R, n) if kl else 0), heads * loops * n)
-  comp = _flops(mcfg, l, active_R, n, (np.append(comp_coda, n) if kl else 0),
-                heads * int(active_R.sum()))
-  pad = slots / max(active_R.sum(), 1)
-  comp_padded = _flops(mcfg, l, active_R * pad, n,
-                       (np.append(comp_coda * (pad if mcfg.n_coda <= 1 else 1), n)
-                        if kl else 0), heads * int(active_R.sum() * pad))
-  return dict(masked=masked, compacted=comp, compacted_padded=comp_padded,
-              active_per_loop=active_R.tolist(), mean_loops=float(d.mean()))
+  analysis.executed_flops of the batch passes (compacted: buffer slots / tokens, padding
+  slots included) x tokens; A0 runs `depth` loops and one readout. 'a1_compact_active'
+  is the work of active tokens only (per-token counts), without the buffer padding.
+  """
+  total = lambda c: n * float(analysis.executed_flops(mcfg, c.core_passes, c.coda_passes,
+                                                      c.head_passes, l))
+  out = {'a0': n * float(analysis.executed_flops(mcfg, depth, 1, 1, l))}
+  out.update({k: total(c) for k, c in counts.items()})
+  c = counts['a1_compact']
+  out['a1_compact_active'] = float(np.sum(analysis.executed_flops(
+      mcfg, np.asarray(c.depth), np.asarray(c.coda), np.asarray(c.head), l)))
+  return out
 
 
 def _variants(mdl, depth: int, ecfg, sched):
@@ -114,11 +106,9 @@ def bench(name: str, mdl, depth: int, toks) -> dict:
   med = {k: statistics.median(v) for k, v in times.items()}
   m, c = outs['a1_masked'].aux, outs['a1_compact'].aux
   assert np.array_equal(np.asarray(m.depth), np.asarray(c.depth)), 'engines disagree'
-  books = _books(mdl.cfg, l, n, c.depth, int(c.loops), int(c.slots),
-                 kl=_POLICY.value == 'kl')
-  f0 = _flops(mdl.cfg, l, np.full(depth, n), n, 0, 0)
-  flops = dict(a0=f0, a1_masked=books['masked'], a1_compact=books['compacted'],
-               a1_compact_padded=books['compacted_padded'])
+  flops = _books(mdl.cfg, l, n, depth, {'a1_masked': jax.device_get(m.counts),
+                                        'a1_compact': jax.device_get(c.counts)})
+  mean_loops = float(np.mean(np.asarray(c.depth)))
   saving = lambda a, b_: 1.0 - a / b_
   ratios = {}
   for base in ('a0', 'a1_masked'):
@@ -134,7 +124,7 @@ def bench(name: str, mdl, depth: int, toks) -> dict:
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
                   tokens_per_s=n / med[k],
                   executed_gflop=flops[k] / 1e9) for k in fns}
-  print(f'{name}: load {statistics.median(loads):.1f}  mean loops {books["mean_loops"]:.2f}'
+  print(f'{name}: load {statistics.median(loads):.1f}  mean loops {mean_loops:.2f}'
         f' of {depth}', flush=True)
   for k, r in rows.items():
     print(f'  {k:10s} {r["median_s"]:7.3f} s  {r["tokens_per_s"]:9.0f} tok/s  '
@@ -146,7 +136,7 @@ def bench(name: str, mdl, depth: int, toks) -> dict:
   return dict(model=dataclasses.asdict(mdl.cfg), batch=b, seq_len=l, tokens=n, depth=depth,
               policy=_POLICY.value,
               fake_exit_fraction=_FAKE.value, eps=_EPS.value, variants=rows,
-              padded_gflop=flops['a1_compact_padded'] / 1e9, books=books, ratios=ratios,
+              active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
               loadavg_per_repeat=loads, capacities=recurrence.capacities(l))
 
 
@@ -187,7 +177,7 @@ def markdown(out: dict) -> str:
   for name, r in out['runs'].items():
     for k, v in r['ratios'].items():
       fmt = lambda x: '-' if x is None else f'{x:.2f}'
-      lines.append(f'| {name} | {r["books"]["mean_loops"]:.2f} | {k[3:]} | '
+      lines.append(f'| {name} | {r["mean_loops"]:.2f} | {k[3:]} | '
                    f'{v["wall_saving"]:.1%} | {v["flop_saving"]:.1%} | '
                    f'{fmt(v["realized_over_flop"])} | {fmt(v["realized_over_flop_min"])} |')
   return '\n'.join(lines) + '\n'

@@ -77,3 +77,21 @@ def test_reference_figures_say_where_they_come_from_and_match_our_shapes():
                                     depth=s['depth']) is None
   assert bench_util.reference_tok_s('generate', 'nano', batch_size=1) is None
   assert bench_util.reference_tok_s('generate', 'P', batch_size=1) == doc['generate']['tokens_per_s']['P']
+
+
+def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
+  out = tmp_path / 'exit.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.bench_exit', '--shapes=nano', '--batch=2',
+       '--seq_len=16', '--depth=4', '--repeats=1', f'--out={out}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())['runs']['nano']
+  v = r['variants']
+  # A0 at depth 4 runs every token 4 loops; the masked engine runs at least the deepest
+  # token's loops for all; the compacted one at most that, its active share at most its slots
+  assert v['a0']['executed_gflop'] > 0
+  assert v['a1_compact']['executed_gflop'] <= v['a1_masked']['executed_gflop']
+  assert r['active_gflop'] <= v['a1_compact']['executed_gflop'] + 1e-12
+  assert 1 <= r['mean_loops'] <= 4
+  assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5
