@@ -2,8 +2,9 @@
 
   python -m experiments.bench_exit                        # random models at S and P
   python -m experiments.bench_exit --shapes=S --repeats=5 --fake_exit_fraction=0.25
-  python -m experiments.bench_exit --workdir=DIR --eps=1e-3 --fake_exit_fraction=0
-      # a trained checkpoint, on random token ids (untested: no checkpoint was at hand)
+  python -m experiments.bench_exit --workdir=DIR
+      # a trained checkpoint on its validation tokens, A1 at the eps that matches A0's
+      # quality (training-mean depth) within 0.01 nats
 
 Variants, timed interleaved (A0, masked, compacted, A0, ...; medians):
   a0          uniform depth (--depth, or the checkpoint's training mean), no checks;
@@ -47,6 +48,8 @@ _FAKE = flags.DEFINE_float('fake_exit_fraction', 0.25,
 _POLICY = flags.DEFINE_enum('policy', 'kl', ['kl', 'state_delta'],
                             'Exit check run at every loop (state_delta: no coda/head).')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).')
+_MIN_TOKENS = flags.DEFINE_integer('min_tokens', 4096, 'With --workdir: validation tokens '
+                                   'per timed batch, at least.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_exit.json', 'JSON output (markdown beside it).')
 
 
@@ -87,12 +90,12 @@ def paired_saving(times, base_times) -> float:
   return statistics.median(1.0 - t / b for t, b in zip(times, base_times))
 
 
-def bench(name: str, mdl, depth: int, toks) -> dict:
+def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   """Times the three variants interleaved and does the books."""
   b, l = toks.shape
   n = b * l
-  sched = _schedule((b, l), _FAKE.value, depth) if _FAKE.value > 0 else None
-  ecfg = config.ExitConfig(policy=_POLICY.value, eps=_EPS.value, max_loops=depth)
+  sched = _schedule((b, l), fake, depth) if fake > 0 else None
+  ecfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=depth)
   fns = _variants(mdl, depth, ecfg, sched)
   outs = {k: jax.block_until_ready(f(toks)) for k, f in fns.items()}  # compile + warm
   times = {k: [] for k in fns}
@@ -135,7 +138,7 @@ def bench(name: str, mdl, depth: int, toks) -> dict:
           f'{r["realized_over_flop_min"]})', flush=True)
   return dict(model=dataclasses.asdict(mdl.cfg), batch=b, seq_len=l, tokens=n, depth=depth,
               policy=_POLICY.value,
-              fake_exit_fraction=_FAKE.value, eps=_EPS.value, variants=rows,
+              fake_exit_fraction=fake, eps=eps, variants=rows,
               active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
               loadavg_per_repeat=loads, capacities=recurrence.capacities(l))
 
@@ -161,6 +164,42 @@ def parts(mdl, toks, repeats: int) -> dict:
           for k, f in fns.items()}
 
 
+def matched_eps(mdl, batches, depth: int, policy: str, grid, tol: float = 0.01) -> dict:
+  """The most aggressive threshold whose loss is within tol of A0 at depth (A1 capped at
+  depth, parallel semantics, the same batches): {'eps', 'a0_loss', 'loss', 'mean_loops'}."""
+  rng = jax.random.key(0)
+  run = lambda c: analysis.policy_curve(mdl, batches, rng, c, depth)
+  a0 = run(analysis.Curve('uniform', [0.0]))['loss'][0]
+  cur = run(analysis.Curve(policy, list(grid)))
+  ok = [i for i, x in enumerate(cur['loss']) if x <= a0 + tol]
+  if not ok:
+    raise SystemExit(f'error: no {policy} threshold in {list(grid)} is within {tol} nats '
+                     f'of uniform depth {depth} ({a0:.4f})')
+  i = min(ok, key=lambda j: (cur['mean_loops'][j], cur['loss'][j]))
+  return {'eps': cur['threshold'][i], 'a0_loss': a0, 'loss': cur['loss'][i],
+          'mean_loops': cur['mean_loops'][i], 'tol': tol}
+
+
+def _checkpoint_run(workdir: str):
+  """A trained checkpoint on its own validation tokens (>= 4,096 per batch): A1 at the
+  eps whose quality matches A0 at the training mean within 0.01 nats."""
+  from experiments import common  # pylint: disable=g-import-not-at-top
+  cfg = common.load_config(workdir)
+  rows = -(-_MIN_TOKENS.value // cfg.train.seq_len)
+  ld = common.load(common.Options(workdir=workdir, batches=1, batch_size=rows,
+                                  progress=False))
+  depth = max(1, round(cfg.depth.mean))
+  grid = analysis.default_grid() if _POLICY.value == 'kl' else analysis.default_grid(1e-4, 1, 9)
+  quality = matched_eps(ld.model, ld.batches, depth, _POLICY.value, grid)
+  print(f'{workdir}@{ld.step}: {_POLICY.value} eps={quality["eps"]:.3g} matches uniform depth '
+        f'{depth} within 0.01 nats ({quality["loss"]:.4f} vs {quality["a0_loss"]:.4f}, '
+        f'{quality["mean_loops"]:.2f} mean loops)', flush=True)
+  toks = jnp.asarray(ld.batches[0]['inputs'], jnp.int32)
+  res = bench('ckpt', ld.model, depth, toks, quality['eps'], 0.0)
+  res['quality'] = quality
+  return f'{workdir}@{ld.step}', res
+
+
 def markdown(out: dict) -> str:
   """The figures as a markdown table."""
   lines = [f'# bench_exit ({out["date"]}, {out["machine"]})', '',
@@ -172,6 +211,12 @@ def markdown(out: dict) -> str:
       lines.append(f'| {name} | {r["policy"]} | {k} | {v["median_s"]:.3f} | {v["min_s"]:.3f} | '
                    f'{v["tokens_per_s"]:.0f} | '
                    f'{v["executed_gflop"]:.1f} | {load:.1f} |')
+  for name, r in out['runs'].items():
+    q = r.get('quality')
+    if q:
+      lines += ['', f'{name}: {r["policy"]} eps={q["eps"]:.3g}, loss {q["loss"]:.4f} at '
+                f'{q["mean_loops"]:.2f} mean loops vs uniform depth {r["depth"]} '
+                f'{q["a0_loss"]:.4f} (matched within {q["tol"]} nats, same tokens)']
   lines += ['', '| shape | mean loops | vs | wall saving (median) | FLOP saving | '
             'realized/FLOP (median) | realized/FLOP (min) |', '|---|---|---|---|---|---|---|']
   for name, r in out['runs'].items():
@@ -190,18 +235,14 @@ def main(argv):
   runs = {}
   rng = np.random.default_rng(0)
   if _WORKDIR.value:
-    from experiments import common  # pylint: disable=g-import-not-at-top
-    cfg, mdl, step, _ = common.load_model(_WORKDIR.value)
-    toks = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (_BATCH.value, _SEQ.value)),
-                       jnp.int32)
-    depth = max(1, round(cfg.depth.mean))
-    runs[f'{_WORKDIR.value}@{step}'] = bench('ckpt', mdl, depth, toks)
+    name, res = _checkpoint_run(_WORKDIR.value)
+    runs[name] = res
   for name in ([] if _WORKDIR.value else _SHAPES.value):
     mcfg = config.ModelConfig(max_len=_SEQ.value, **bench_util.MODEL_SHAPES[name])
     mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(0))
     toks = jnp.asarray(rng.integers(0, mcfg.vocab_size, (_BATCH.value, _SEQ.value)),
                        jnp.int32)
-    runs[name] = bench(name, mdl, _DEPTH.value, toks)
+    runs[name] = bench(name, mdl, _DEPTH.value, toks, _EPS.value, _FAKE.value)
     runs[name]['parts_ms'] = parts(mdl, toks, _REPEATS.value)
     print(f'  parts (ms): {runs[name]["parts_ms"]}', flush=True)
   out = dict(backend=jax.default_backend(), machine=os.environ.get(

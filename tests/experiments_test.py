@@ -173,3 +173,18 @@ def test_router_overlap_by_brute_force_over_windows():
     assert (why is not None) == bool(targets(f1, n1, b1, l1) & targets(f2, n2, b2, l2))
     assert router_lib.overlap_error(fit, {'seed': 1}, [0, 10 ** 9]) is None
   assert 'no record' in router_lib.overlap_error(None, cfg, [0, 1])
+
+
+def test_bench_exit_on_a_checkpoint_matches_quality_then_times(workdir, tmp_path):
+  """bench_exit --workdir: A1's eps is the most aggressive within 0.01 nats of A0."""
+  out = tmp_path / 'exit.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.bench_exit', f'--workdir={workdir}',
+       '--min_tokens=32', '--repeats=1', f'--out={out}'],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [r] = json.loads(out.read_text())['runs'].values()
+  q = r['quality']
+  assert q['loss'] <= q['a0_loss'] + 0.01 and q['mean_loops'] <= r['depth']
+  assert r['eps'] == q['eps'] and r['fake_exit_fraction'] == 0.0
+  assert r['tokens'] >= 32 and 'matched within' in (tmp_path / 'exit.md').read_text()
