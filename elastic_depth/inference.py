@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import losses, model as model_lib, policies, recurrence
+from elastic_depth import losses, policies, recurrence
 from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy
 from elastic_depth.model import LoopedLM
 
@@ -273,7 +273,6 @@ class Cache(NamedTuple):
   prelude: list
   core: list
   coda: list
-  hash: Any = None  # model.prefix_hash of each row through the last written token, [B]
 
 
 def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
@@ -281,7 +280,7 @@ def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
   c = model.cfg
   z = lambda: (jnp.zeros((batch, max_len, c.num_kv_heads, c.head_dim), model.dtype),) * 2
   return Cache([z() for _ in range(c.n_prelude)], [z() for _ in range(c.n_core)],
-               [z() for _ in range(c.n_coda)], jnp.zeros((batch,), jnp.uint32))
+               [z() for _ in range(c.n_coda)])
 
 
 def _write(cache_kv, kv, start):
@@ -312,8 +311,7 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
   cache = init_cache(model, prompt_BxP.shape[0], max_len)
   cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, res.prelude_kv)],
                 [_write(c, kv, 0) for c, kv in zip(cache.core, res.kv)],
-                [_write(c, kv, 0) for c, kv in zip(cache.coda, res.coda_kv)],
-                model_lib.prefix_hash(prompt_BxP, model_lib.positions(prompt_BxP))[:, -1])
+                [_write(c, kv, 0) for c, kv in zip(cache.coda, res.coda_kv)])
   return cache, res.logits[:, -1], res.depth
 
 
@@ -340,8 +338,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   tok = token_B[:, None]
   pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
   e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
-  hash_B = cache.hash + model_lib.hash_step(token_B, pos_Bx1[:, 0])
-  s0 = model.initial_state(e, rng, pos_Bx1, hash_B[:, None])  # as in the parallel forward
+  s0 = model.initial_state(e, rng, pos_Bx1)  # as in the parallel forward
 
   def masked_step(s, core_kv, active_Bx1):
     fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
@@ -376,7 +373,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     logits, new_kv = final_readout(None)
     counts = _counts(res)
   coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
-  out = (logits, Cache(pre_kv, list(res.kv), coda, hash_B), res.depth[:, 0])
+  out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
   return out + (counts,) if with_counts else out
 
 

@@ -180,22 +180,22 @@ class LoopedLM(nnx.Module):
     x = x.astype(self.dtype)
     return _run_blocks(self.prelude, x, pos_BxL, kv_fns)
 
-  def initial_state(self, e_BxLxD, rng: jax.Array, pos_BxL: jax.Array,
-                    hash_BxL: jax.Array) -> jax.Array:
+  def initial_state(self, e_BxLxD, rng: jax.Array, pos_BxL: jax.Array) -> jax.Array:
     """Recurrent state before the first loop: truncated normal or zeros.
 
-    Token-wise a pure function of (rng, position, prefix_hash of the sequence up to
-    the token): independent of the token's row, the batch size and later tokens, so
-    prefixes, batches and cached decoding start from the same states.
+    Token-wise a pure function of (rng, position): independent of the token's row, the
+    batch size and later tokens, so prefixes, batches and cached decoding start from
+    the same states. (Keying it by the sequence's content as well stalled training on
+    the main job at chance: WORKSPACE.md, "Early-exit semantics".)
     """
     if self.cfg.init_state == InitState.ZEROS:
       return jnp.zeros_like(e_BxLxD)
     d = e_BxLxD.shape[-1]
 
-    def draw(p, h):
-      key = jax.random.fold_in(jax.random.fold_in(rng, p), h)
-      return jax.random.truncated_normal(key, -3.0, 3.0, (d,), jnp.float32)
-    s = jax.vmap(jax.vmap(draw))(pos_BxL, hash_BxL)
+    def draw(p):
+      return jax.random.truncated_normal(jax.random.fold_in(rng, p), -3.0, 3.0, (d,),
+                                         jnp.float32)
+    s = jax.vmap(jax.vmap(draw))(pos_BxL)
     return (self.cfg.state_std * s).astype(e_BxLxD.dtype)
 
   def forward(self, tokens_BxL: jax.Array, key: jax.Array, loop: 'LoopFn', *,
@@ -214,8 +214,7 @@ class LoopedLM(nnx.Module):
     """
     pos = positions(tokens_BxL)
     e, pre_kv = self.encode(tokens_BxL, pos)
-    s0 = (self.initial_state(e, key, pos, prefix_hash(tokens_BxL, pos)) if s0_BxLxD is None
-          else s0_BxLxD.astype(e.dtype))
+    s0 = self.initial_state(e, key, pos) if s0_BxLxD is None else s0_BxLxD.astype(e.dtype)
     s, aux = loop(self, s0, e, pos)
     h, coda_kv = self.decode_state(s, pos)
     return Forward(self.logits(h), s, aux, e, pre_kv, coda_kv)
@@ -298,21 +297,6 @@ def positions(tokens_BxL) -> jax.Array:
   """Positions 0..L-1 broadcast over the batch."""
   b, l = tokens_BxL.shape
   return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-
-
-def hash_step(token_B, pos_B) -> jax.Array:
-  """One token's term of prefix_hash (uint32, wrapping): (token + 1) * odd weight of pos."""
-  w = pos_B.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(0x85EBCA6B)
-  return (token_B.astype(jnp.uint32) + jnp.uint32(1)) * (w | jnp.uint32(1))
-
-
-def prefix_hash(tokens_BxL, pos_BxL) -> jax.Array:
-  """Rolling hash of each row's tokens up to and including each position, uint32 [B, L].
-
-  A cumulative sum of hash_step terms: the hash of a prefix does not depend on what
-  follows, and decoding extends it one token at a time (inference.Cache.hash).
-  """
-  return jnp.cumsum(hash_step(tokens_BxL, pos_BxL), axis=1, dtype=jnp.uint32)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -112,8 +112,7 @@ def test_initial_state_follows_huginn_distribution(loaded):
   assert cfg.model.state_std == pytest.approx(sigma)
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 64)), jnp.int32)
   pos = model_lib.positions(toks)
-  s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0), pos,
-                                    model_lib.prefix_hash(toks, pos)))
+  s0 = np.asarray(mdl.initial_state(jnp.zeros((4, 64, 64)), jax.random.key(0), pos))
   assert np.abs(s0).max() <= 3 * sigma + 1e-6 and np.abs(s0).max() > 2.5 * sigma
   # std of a normal truncated at +-3 sigma: sigma * sqrt(1 - 6 phi(3) / (2 Phi(3) - 1))
   phi3 = np.exp(-4.5) / np.sqrt(2 * np.pi)

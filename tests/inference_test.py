@@ -46,7 +46,7 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng):
   """Parallel semantics with plain Python loops over loops, blocks and tokens."""
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
-  s = mdl.initial_state(e, rng, pos, model_lib.prefix_hash(toks, pos))
+  s = mdl.initial_state(e, rng, pos)
   b, l = toks.shape
   depth = np.zeros((b, l), int)
   active = np.ones((b, l), bool)
@@ -124,7 +124,7 @@ def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):
   # uniform depth through the exit engine equals the plain training forward pass
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
-  s = mdl.initial_state(e, rng, pos, model_lib.prefix_hash(toks, pos))
+  s = mdl.initial_state(e, rng, pos)
   for _ in range(R):
     s = mdl.core_step(s, e, pos)[0]
   ref = mdl.logits(mdl.decode_state(s, pos)[0])
@@ -208,8 +208,7 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None):
     p = jnp.full((1, 1), t, jnp.int32)
     x = jnp.take(mdl.embed_VxD[...], toks[:, t:t + 1], axis=0)
     e, _ = run(mdl.prelude, pre, x, p, True)
-    hash_1x1 = model_lib.prefix_hash(toks, model_lib.positions(toks))[:, t:t + 1]
-    s = mdl.initial_state(e, rng, p, hash_1x1)
+    s = mdl.initial_state(e, rng, p)
     h_prev = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
     d = 0
     for i in range(1, max_loops + 1):
@@ -257,8 +256,7 @@ def test_generation_matches_brute_force_and_teacher_forced_scoring():
 def test_cache_size_independent_of_loops():
   mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(0))
   c8 = inference.init_cache(mdl, 1, 32)
-  assert c8.hash.shape == (1,)  # the running prefix hash: one word per row
-  leaves = jax.tree.leaves(c8._replace(hash=None))
+  leaves = jax.tree.leaves(c8)
   n_blocks = mdl.cfg.n_prelude + mdl.cfg.n_core + mdl.cfg.n_coda
   assert len(leaves) == 2 * n_blocks
   assert all(x.shape == (1, 32, 2, 8) for x in leaves)
@@ -332,9 +330,8 @@ def test_parallel_scoring_batched_equals_per_row_and_prefix_equals_whole(setup):
   # a row's initial states do not depend on the rows beside it
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
-  s0 = mdl.initial_state(e, rng, pos, model_lib.prefix_hash(toks, pos))
-  swapped = toks[::-1]
-  s1 = mdl.initial_state(e[::-1], rng, pos, model_lib.prefix_hash(swapped, pos))
+  s0 = mdl.initial_state(e, rng, pos)
+  s1 = mdl.initial_state(e[::-1], rng, pos)
   np.testing.assert_array_equal(np.asarray(s0), np.asarray(s1[::-1]))
   assert not np.allclose(np.asarray(s0[:, 0]), np.asarray(s0[:, 1]))  # positions differ
 

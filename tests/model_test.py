@@ -225,8 +225,7 @@ def test_whole_looped_lm_matches_numpy(make_config, tie):
   got = jax.jit(lambda m, t, i: m.forward(t, key, model_lib.bucketed(i, cfg.depth)).logits)(
       mdl, tokens, jnp.int32(idx))
   pos = model_lib.positions(tokens)
-  s0 = mdl.initial_state(jnp.zeros((2, 6, cfg.model.d_model)), key, pos,
-                         model_lib.prefix_hash(tokens, pos))
+  s0 = mdl.initial_state(jnp.zeros((2, 6, cfg.model.d_model)), key, pos)
   want = np_looped_lm(mdl, np.asarray(tokens), s0, cfg.depth.buckets[idx])
   assert got.shape == (2, 6, cfg.model.vocab_size) and got.dtype == jnp.float32
   assert_close(got, want, rtol=1e-5)
@@ -245,7 +244,7 @@ def test_loss_at_t_has_zero_gradient_wrt_later_positions(model_cfg):
   targets = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (b, l)), jnp.int32)
   pos = model_lib.positions(tokens)
   x0 = jnp.take(mdl.embed_VxD[...], tokens, axis=0)
-  s0 = mdl.initial_state(x0, jax.random.key(0), pos, model_lib.prefix_hash(tokens, pos))
+  s0 = mdl.initial_state(x0, jax.random.key(0), pos)
 
   def nll_per_position(x_BxLxD):
     e = x_BxLxD

@@ -82,7 +82,7 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
     pos = model_lib.positions(tokens)
     e, _ = mdl.encode(tokens, pos)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(seed_key, 0x1a17), step), 0)  # micro 0
-    s = mdl.initial_state(e, key, pos, model_lib.prefix_hash(tokens, pos))
+    s = mdl.initial_state(e, key, pos)
     for _ in range(depth):
       s, _ = mdl.core_step(s, e, pos)
     logits = mdl.logits(mdl.decode_state(s, pos)[0])
