@@ -18,11 +18,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from elastic_depth import recurrence
-from elastic_depth.config import DepthConfig, AttentionIn, InitState, ModelConfig
+from elastic_depth.config import DepthConfig, AttentionIn, InitState, ModelConfig, RematPolicy
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+# What jax.checkpoint keeps of a core loop (depth.remat_policy): `dense` is a 2-D dot (no
+# batch dims), the attention scores/outputs are batched dots.
+REMAT_POLICIES = {
+    RematPolicy.NOTHING: None,
+    RematPolicy.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    RematPolicy.ALL_DOTS: jax.checkpoint_policies.dots_saveable,
+}
 
 
 def dense(x, w, n_in: int = 1, **kw) -> jax.Array:
@@ -257,7 +265,8 @@ def bucketed(bucket_idx: jax.Array, depth: DepthConfig) -> LoopFn:
   """Loop policy for training: depth.buckets[bucket_idx] loops behind one lax.switch."""
   return lambda m, s0, e, pos: (recurrence.bucketed_depth(
       m.step_fn(e, pos), s0, bucket_idx, depth.buckets,
-      backprop_depth=depth.backprop_depth, remat=depth.remat), None)
+      backprop_depth=depth.backprop_depth, remat=depth.remat,
+      policy=REMAT_POLICIES[RematPolicy(depth.remat_policy)]), None)
 
 
 def dynamic(n: jax.Array) -> LoopFn:
