@@ -287,20 +287,20 @@ def busy_processes(limit: int = 8) -> list[str]:
 
 
 def _check_flags() -> None:
-  """Bad flags -> a one-line error (exit 2) before anything compiles."""
+  """Bad flags -> a one-line `error: ...` (exit 2) before anything compiles."""
   unknown = [s for s in FLAGS.shapes if s not in SHAPES]
   if unknown:
-    raise app.UsageError(f'unknown shapes {unknown}; known: {sorted(SHAPES)}')
+    flags_util.fail(f'--shapes: unknown {unknown}; known: {sorted(SHAPES)}')
   bad = [c for c in FLAGS.remat if c not in REMAT_CHOICES]
   if bad:
-    raise app.UsageError(f'--remat: unknown choices {bad}; known: {REMAT_CHOICES}')
+    flags_util.fail(f'--remat: unknown choices {bad}; known: {REMAT_CHOICES}')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
-    raise app.UsageError('--rounds and --steps must be >= 1')
+    flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
   if FLAGS.reference_dir:
     try:
       bench_reference.check_reference_dir(FLAGS.reference_dir)
     except bench_reference.ReferenceUnavailable as e:
-      raise app.UsageError(str(e)) from None
+      flags_util.fail(str(e))
 
 
 def _score(res: dict, peak: float, device_peak: float) -> None:
@@ -360,7 +360,7 @@ def _print_table(doc: dict) -> None:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    flags_util.fail(f'unexpected arguments {argv[1:]}')
   _check_flags()
   load_start = os.getloadavg()
   procs_start = busy_processes()
@@ -400,4 +400,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)
