@@ -116,7 +116,7 @@ SHAPES = {
     # the real 135M step of launch/135m.flags: bf16, 16 x 2048, 8 micro-batches per step
     '135m': dataclasses.replace(
         _shape('P', 2048, 16, 8, max_steps=3, dtype='bfloat16', timed_on_cpu=False,
-               train=dict(tokens_per_step=262144)), remat='dots'),
+               train=dict(tokens_per_step=262144))),
     'nano': _shape('nano', 16, 2, 2),  # a few-second shape for the smoke test
 }
 
@@ -286,7 +286,7 @@ def busy_processes(limit: int = 8) -> list[str]:
   return rows[:limit]
 
 
-def _check_flags() -> None:
+def check_flags() -> None:
   """Bad flags -> a one-line `error: ...` (exit 2) before anything compiles."""
   unknown = [s for s in FLAGS.shapes if s not in SHAPES]
   if unknown:
@@ -361,7 +361,7 @@ def _print_table(doc: dict) -> None:
 def main(argv):
   if len(argv) > 1:
     flags_util.fail(f'unexpected arguments {argv[1:]}')
-  _check_flags()
+  check_flags()
   load_start = os.getloadavg()
   procs_start = busy_processes()
   t_start = time.perf_counter()
