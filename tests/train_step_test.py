@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_depth import config as config_lib
 from elastic_depth import distributed
 from elastic_depth import model as model_lib
 from elastic_depth import policies
@@ -176,14 +175,14 @@ def test_grad_accumulation_equals_big_batch_with_uneven_masks(accum_setup, mesh,
   assert trees_max_diff(p2, p1) < 1e-5
 
 
-def test_remat_policies_train_like_plain_autodiff(make_config, mesh, make_batch):
-  """Every depth.remat_policy (and remat off) gives the same losses and parameters."""
+def test_remat_policy_trains_like_plain_autodiff(make_config, mesh, make_batch):
+  """depth.remat_policy=dots reaches the step (every policy's gradient: recurrence_test)
+  and gives the losses and parameters of remat off."""
   base = dict(mean=3.0, sigma=0.0, r_max=3, buckets=(3,))  # one branch: a fast compile
   batches = [distributed.shard_batch([make_batch(make_config(), 40 + i, mask_frac=0.2)],
                                      mesh, 1) for i in range(2)]
   runs = {}
-  for name, depth in [('off', dict(remat=False))] + [
-      (p.value, dict(remat=True, remat_policy=p.value)) for p in config_lib.RematPolicy]:
+  for name, depth in [('off', dict(remat=False)), ('dots', dict(remat_policy='dots'))]:
     cfg = make_config(depth={**base, **depth})
     graphdef, _ = train_lib.init_state(cfg, seed=0)
     step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
