@@ -34,7 +34,6 @@ meaningful.
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -114,9 +113,8 @@ SHAPES = {
     'Pmha': dataclasses.replace(_shape('P', 512, 2, 8, max_steps=3), model=dict(
         bench_util.MODEL_SHAPES['P'], num_kv_heads=9, max_len=512)),
     # the real 135M step of launch/135m.flags: bf16, 16 x 2048, 8 micro-batches per step
-    '135m': dataclasses.replace(
-        _shape('P', 2048, 16, 8, max_steps=3, dtype='bfloat16', timed_on_cpu=False,
-               train=dict(tokens_per_step=262144))),
+    '135m': _shape('P', 2048, 16, 8, max_steps=3, dtype='bfloat16', timed_on_cpu=False,
+                   train=dict(tokens_per_step=262144)),
     'nano': _shape('nano', 16, 2, 2),  # a few-second shape for the smoke test
 }
 
