@@ -107,7 +107,10 @@ def _shape(name: str, seq_len: int, batch_size: int, r: int, **kw) -> Shape:
 SHAPES = {
     # launch/tiny.flags, parsed at run time (model and train fields), at r=8
     'tiny': Shape(None, None, 8),
-    'S': _shape('S', 256, 8, 8),  # the comparison points with the reference
+    # the comparison points with the reference; remat per shape (WORKSPACE.md, issue 13):
+    # S keeps the matmul outputs (faster, memory is no concern there), P recomputes them
+    # (no more memory than before)
+    'S': _shape('S', 256, 8, 8, remat='dots'),
     'P': _shape('P', 512, 2, 8, max_steps=3),  # the 135M block shape
     # P with 9 kv heads: the reference's config has no GQA, so this is P at its FLOPs
     'Pmha': dataclasses.replace(_shape('P', 512, 2, 8, max_steps=3), model=dict(
