@@ -88,11 +88,11 @@ def _causal_chunks(l: int, min_chunk: int = 64, max_chunks: int = 4) -> int:
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:
   """Causal softmax attention (scores and softmax in fp32), heads-major, in query chunks.
 
-  Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU (1.4x at
-  shape S): the batched matmuls run on [B, H, L, K] operands, and the queries of chunk i
+  Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU (fwd + bwd
+  1.45x at shape S): batched matmuls on [B, H, L, K] operands, and the queries of chunk i
   only meet the keys of chunks 0..i, which skips (n - 1) / 2n of the masked scores.
   """
-  b, l, h, k = q_BxLxHxK.shape
+  _, l, h, k = q_BxLxHxK.shape
   rep = h // k_BxLxGxK.shape[2]  # query heads per kv head
   q = jnp.swapaxes(q_BxLxHxK, 1, 2) * jnp.asarray(k ** -0.5, q_BxLxHxK.dtype)
   kk = jnp.swapaxes(jnp.repeat(k_BxLxGxK, rep, axis=2), 1, 2)  # BxHxLxK
