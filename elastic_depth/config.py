@@ -46,6 +46,13 @@ class ExitEngine(str, enum.Enum):
   COMPACTED = 'compacted'  # every loop gathers the active tokens and runs only those
 
 
+class RematPolicy(str, enum.Enum):
+  """What jax.checkpoint keeps of each core loop for the backward pass (depth.remat on)."""
+  NOTHING = 'nothing'    # recompute the whole loop in the backward pass (least memory)
+  DOTS = 'dots'          # keep the projection/MLP matmul outputs, recompute the rest
+  ALL_DOTS = 'all_dots'  # also keep the attention scores and outputs (batched matmuls)
+
+
 class NanPolicy(str, enum.Enum):
   """What the training loop does on a non-finite loss or gradient."""
   STOP = 'stop'
@@ -93,6 +100,7 @@ class DepthConfig:
   buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)
   backprop_depth: int = 0  # 0: backprop through every loop; k: only the last k
   remat: bool = True
+  remat_policy: RematPolicy = RematPolicy.NOTHING  # what remat keeps (see RematPolicy)
 
 
 @dataclasses.dataclass

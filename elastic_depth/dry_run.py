@@ -21,7 +21,8 @@ ACCELERATORS = ('H200', 'H100', 'RTX 4090', 'TPU v5e')
 GIB = 2.0 ** 30
 
 
-def _abstract_batch(cfg: Config, mesh) -> dict:
+def abstract_batch(cfg: Config, mesh) -> dict:
+  """ShapeDtypeStructs of one step's [A, B, L] batch, sharded over the mesh."""
   t = cfg.train
   shape = (grad_accum_steps(t), t.batch_size, t.seq_len)
   sh = distributed.batch_sharding(mesh)
@@ -30,16 +31,19 @@ def _abstract_batch(cfg: Config, mesh) -> dict:
           'mask': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)}
 
 
-def compiled_memory(cfg: Config, mesh) -> dict:
-  """Per-device bytes of the compiled train step (arguments, outputs, temporaries)."""
+def compile_abstract(cfg: Config, mesh):
+  """The train step compiled against abstract state and batch (nothing allocated)."""
   graphdef, state = jax.eval_shape(lambda: train.init_state(cfg, cfg.train.seed))
   state = distributed.abstract_like(
       state, distributed.state_shardings(state, mesh, cfg.train))
-  t0 = time.perf_counter()
   step = train.make_train_step(graphdef, cfg, mesh)
-  compiled = step.lower(state, _abstract_batch(cfg, mesh)).compile()
+  return step.lower(state, abstract_batch(cfg, mesh)).compile()
+
+
+def memory_of(compiled) -> dict:
+  """Per-device bytes of a compiled step (arguments, outputs, temporaries, peak)."""
   mem = compiled.memory_analysis()
-  out = {'compile_s': time.perf_counter() - t0}
+  out = {}
   for k in ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
             'alias_size_in_bytes', 'generated_code_size_in_bytes'):
     out[k] = int(getattr(mem, k, 0) or 0)
@@ -47,6 +51,13 @@ def compiled_memory(cfg: Config, mesh) -> dict:
   out['peak_bytes'] = (out['argument_size_in_bytes'] + out['temp_size_in_bytes']
                        + out['output_size_in_bytes'] - out['alias_size_in_bytes'])
   return out
+
+
+def compiled_memory(cfg: Config, mesh) -> dict:
+  """Per-device bytes of the compiled train step (arguments, outputs, temporaries)."""
+  t0 = time.perf_counter()
+  compiled = compile_abstract(cfg, mesh)
+  return {'compile_s': time.perf_counter() - t0, **memory_of(compiled)}
 
 
 def plan(cfg: Config, mfu: float = 0.45) -> dict:

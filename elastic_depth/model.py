@@ -18,11 +18,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from elastic_depth import recurrence
-from elastic_depth.config import DepthConfig, AttentionIn, InitState, ModelConfig
+from elastic_depth.config import DepthConfig, AttentionIn, InitState, ModelConfig, RematPolicy
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+# What jax.checkpoint keeps of a core loop (depth.remat_policy): `dense` is a 2-D dot (no
+# batch dims), the attention scores/outputs are batched dots.
+REMAT_POLICIES = {
+    RematPolicy.NOTHING: None,
+    RematPolicy.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    RematPolicy.ALL_DOTS: jax.checkpoint_policies.dots_saveable,
+}
 
 
 def dense(x, w, n_in: int = 1, **kw) -> jax.Array:
@@ -51,12 +59,14 @@ class RMSNorm(nnx.Module):
     self.eps = cfg.norm_eps
     self.dtype = DTYPES[cfg.dtype]
 
+  @jax.named_scope('norm')
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     x = x_BxLxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * self.scale[...]).astype(self.dtype)
 
 
+@jax.named_scope('rope')
 def rope(x_BxLxHxK: jax.Array, pos_BxL: jax.Array, theta: float) -> jax.Array:
   """Rotary position embedding (rotate-half form), computed in fp32."""
   k = x_BxLxHxK.shape[-1]
@@ -67,6 +77,37 @@ def rope(x_BxLxHxK: jax.Array, pos_BxL: jax.Array, theta: float) -> jax.Array:
   x1, x2 = x[..., : k // 2], x[..., k // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxK.dtype)
+
+
+def _causal_chunks(l: int, min_chunk: int = 64, max_chunks: int = 4) -> int:
+  """Query chunks for causal_attention: the most (<= max_chunks) that divide l evenly."""
+  return next(n for n in range(max_chunks, 0, -1) if l % n == 0 and l // n >= min_chunk
+              or n == 1)
+
+
+def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:
+  """Causal softmax attention (scores and softmax in fp32), heads-major, in query chunks.
+
+  Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU (fwd + bwd
+  1.45x at shape S): batched matmuls on [B, H, L, K] operands, and the queries of chunk i
+  only meet the keys of chunks 0..i, which skips (n - 1) / 2n of the masked scores.
+  """
+  _, l, h, k = q_BxLxHxK.shape
+  rep = h // k_BxLxGxK.shape[2]  # query heads per kv head
+  q = jnp.swapaxes(q_BxLxHxK, 1, 2) * jnp.asarray(k ** -0.5, q_BxLxHxK.dtype)
+  kk = jnp.swapaxes(jnp.repeat(k_BxLxGxK, rep, axis=2), 1, 2)  # BxHxLxK
+  vv = jnp.swapaxes(jnp.repeat(v_BxLxGxK, rep, axis=2), 1, 2)
+  n = _causal_chunks(l)
+  c = l // n
+  outs = []
+  for i in range(n):
+    end = (i + 1) * c
+    s_BxHxCxS = jnp.einsum('bhqk,bhsk->bhqs', q[:, :, i * c:end], kk[:, :, :end],
+                           preferred_element_type=jnp.float32)
+    causal_CxS = (jnp.arange(c)[:, None] + i * c) >= jnp.arange(end)[None, :]
+    p = jax.nn.softmax(jnp.where(causal_CxS, s_BxHxCxS, -jnp.inf), axis=-1)
+    outs.append(jnp.einsum('bhqs,bhsk->bhqk', p.astype(vv.dtype), vv[:, :, :end]))
+  return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
 class Attention(nnx.Module):
@@ -85,6 +126,7 @@ class Attention(nnx.Module):
     self.theta = cfg.rope_theta
     self.dtype = DTYPES[cfg.dtype]
 
+  @jax.named_scope('attention')
   def __call__(self, x_BxLxD, pos_BxL, kv_fn: Optional[KVFn] = None):
     dt = self.dtype
     q = dense(x_BxLxD, self.wq_DxHxK[...].astype(dt))  # BLD,DHK->BLHK
@@ -94,10 +136,12 @@ class Attention(nnx.Module):
       q = q + self.q_bias_HxK[...].astype(dt)
       k = k + self.k_bias_GxK[...].astype(dt)
     q, k = rope(q, pos_BxL, self.theta), rope(k, pos_BxL, self.theta)
-    mask = None
-    if kv_fn is not None:
-      k, v, mask = kv_fn(k, v)
-    o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
+    with jax.named_scope('sdpa'):
+      if kv_fn is None:  # training and full-sequence forwards: plain causal attention
+        o = causal_attention(q, k, v)
+      else:
+        k, v, mask = kv_fn(k, v)
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
     out = dense(o, self.wo_HxKxD[...].astype(dt), n_in=2)  # BLHK,HKD->BLD
     return out, (k, v)
 
@@ -112,6 +156,7 @@ class MLP(nnx.Module):
     self.w_down_FxD = _normal(rngs, (f, d), cfg.init_std)
     self.dtype = DTYPES[cfg.dtype]
 
+  @jax.named_scope('mlp')
   def __call__(self, x_BxLxD):
     dt = self.dtype
     gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt))  # BLD,DF->BLF
@@ -225,8 +270,9 @@ class LoopedLM(nnx.Module):
 
   def core_step(self, s_BxLxD, e_BxLxD, pos_BxL, kv_fns=None):
     """One loop of the shared core; returns the new state and per-block (k, v)."""
-    x = jnp.concatenate([s_BxLxD, e_BxLxD], axis=-1)
-    x = dense(x, self.adapter_2DxD[...].astype(self.dtype))  # BLC,CD->BLD (C = 2D)
+    with jax.named_scope('adapter'):
+      x = jnp.concatenate([s_BxLxD, e_BxLxD], axis=-1)
+      x = dense(x, self.adapter_2DxD[...].astype(self.dtype))  # BLC,CD->BLD (C = 2D)
     return _run_blocks(self.core, x, pos_BxL, kv_fns)
 
   def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None):
@@ -239,6 +285,7 @@ class LoopedLM(nnx.Module):
     x, kvs = _run_blocks(self.coda, s_BxLxD, pos_BxL, kv_fns)
     return self.final_norm(x), kvs
 
+  @jax.named_scope('head')
   def logits(self, h_BxLxD) -> jax.Array:
     """LM head in fp32: logits_BxLxV."""
     w = self.head_weight().astype(self.dtype)
@@ -268,7 +315,8 @@ def bucketed(bucket_idx: jax.Array, depth: DepthConfig) -> LoopFn:
   """Loop policy for training: depth.buckets[bucket_idx] loops behind one lax.switch."""
   return lambda m, s0, e, pos: (recurrence.bucketed_depth(
       m.step_fn(e, pos), s0, bucket_idx, depth.buckets,
-      backprop_depth=depth.backprop_depth, remat=depth.remat), None)
+      backprop_depth=depth.backprop_depth, remat=depth.remat,
+      policy=REMAT_POLICIES[RematPolicy(depth.remat_policy)]), None)
 
 
 def dynamic(n: jax.Array) -> LoopFn:

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def fixed_depth(step_fn: Callable, s: Any, n: int, *, remat: bool = True) -> Any:
-  """Applies step_fn n times (static n) with a lax.scan; remat on the step."""
+def fixed_depth(step_fn: Callable, s: Any, n: int, *, remat: bool = True,
+                policy: Callable | None = None) -> Any:
+  """Applies step_fn n times (static n) with a lax.scan; remat (with a jax policy) on the step."""
   if n == 0:
     return s
-  body = jax.checkpoint(step_fn) if remat else step_fn
+  body = jax.checkpoint(step_fn, policy=policy) if remat else step_fn
   s, _ = lax.scan(lambda c, _: (body(c), None), s, None, length=n)
   return s
 
@@ -37,7 +38,7 @@ def dynamic_depth(step_fn: Callable, s: Any, n: jax.Array) -> Any:
 
 def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
                    buckets: Sequence[int], *, backprop_depth: int = 0,
-                   remat: bool = True) -> Any:
+                   remat: bool = True, policy: Callable | None = None) -> Any:
   """Runs buckets[bucket_idx] loops: one lax.switch branch per bucket, each a fixed scan.
 
   Args:
@@ -47,6 +48,8 @@ def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
     buckets: static loop counts.
     backprop_depth: if > 0, only the last backprop_depth loops receive gradient.
     remat: jax.checkpoint each step (much less memory, and faster on CPU).
+    policy: what remat keeps for the backward pass (a jax.checkpoint_policies entry;
+      None: nothing, every step is recomputed).
   Returns:
     The state after buckets[bucket_idx] steps.
   """
@@ -55,8 +58,8 @@ def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
 
     def run(s):
       if b > k:
-        s = lax.stop_gradient(fixed_depth(step_fn, s, b - k, remat=remat))
-      return fixed_depth(step_fn, s, k, remat=remat)
+        s = lax.stop_gradient(fixed_depth(step_fn, s, b - k, remat=remat, policy=policy))
+      return fixed_depth(step_fn, s, k, remat=remat, policy=policy)
     return run
 
   branches = [branch(b) for b in buckets]

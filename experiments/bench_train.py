@@ -1,28 +1,39 @@
-"""Benchmark the full jitted training step: tokens/s, model FLOP/s and fraction of peak.
+"""Benchmark the full jitted training step: tokens/s, fraction of peak, memory, reference.
 
 Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=...]
+  [--remat=nothing,dots,all_dots,off] [--reference_dir=DIR --rounds=N]
 
 Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
 clipping, the bucketed-depth switch) with a single depth bucket (r,) so that every
 step runs exactly r loops, times `--steps` steps after `--warmup` untimed ones
-(the first compiles) and reports the median step time as tokens/s.
+(the first compiles) and reports the median step time as tokens/s, with XLA's
+compiled memory analysis (temporaries, peak) for each remat choice (`--remat`;
+default the shape's own, `Shape.remat`).
 
 FLOPs are model FLOPs: 3x the forward matmul FLOPs of `model.flops_per_token` at
-depth r (the usual "6N" convention); `hw_flops_per_token` also counts the forward
-of the core loops recomputed in the backward pass by `jax.checkpoint` (remat).
-Both are divided by the matmul peak measured in the same process
-(`metrics.measure_matmul_peak`, one large fp32 jnp.dot), before and after the shapes.
-Shapes S and P come from `bench_util.MODEL_SHAPES`; the reference implementation's
-figures (experiments/reference_figures.json) were measured elsewhere, so the ratio
-against them is indicative, not a side-by-side measurement.
+depth r (the usual "6N" convention); `hw_flops_per_token` also counts the matmuls
+that remat recomputes in the backward pass (all of a loop's with remat_policy=nothing,
+the attention scores/outputs with dots, none with all_dots or off). Both are divided
+by the matmul peak measured in the same process (`metrics.measure_matmul_peak`, one
+large fp32 jnp.dot), before and after the shapes; on an accelerator the model FLOP/s
+are also reported as MFU against the device kind's bf16 peak (`metrics.peak_flops`).
 
-The machine may be shared: the JSON records the load average and the busiest
-other processes, and only ratios measured within one run are meaningful.
+Reference: with --reference_dir (a checkout of seal-rg/recurrent-pretraining, and
+torch installed) the reference's own training step is timed at S and P in this run,
+after ours, never at once (`experiments/bench_reference.py`); --rounds alternates the
+two. Without it, the ratio is against experiments/reference_figures.json, recorded on
+another machine and labelled so.
+
+`135m` is the real step of launch/135m.flags (bf16, 16 x 2048, 8 micro-batches): on a
+CPU it is only compiled (FLOPs and memory reported, `timed: false`).
+
+The machine may be shared: the JSON records the load average, the busiest other
+processes and each step's process CPU time; only ratios measured within one run are
+meaningful.
 """
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -36,58 +47,93 @@ import jax
 import numpy as np
 
 from elastic_depth import config as config_lib
-from elastic_depth import metrics
 from elastic_depth import distributed
+from elastic_depth import dry_run
+from elastic_depth import metrics
 from elastic_depth import model as model_lib
 from elastic_depth import train as train_lib
-from experiments import flags_util
+from experiments import bench_reference
 from experiments import bench_util
+from experiments import flags_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REMAT_CHOICES = [p.value for p in config_lib.RematPolicy] + ['off']
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('shapes', ['tiny', 'S', 'P'], 'Shapes to run (see SHAPES).')
-flags.DEFINE_integer('steps', 5, 'Timed steps per shape (capped by a shape\'s max_steps '
-                     'unless --nocap_heavy).')
+flags.DEFINE_integer('steps', 5, 'Timed steps per shape and round (capped by a shape\'s '
+                     'max_steps unless --nocap_heavy).')
 flags.DEFINE_integer('warmup', 1, 'Untimed steps after the AOT compile.')
 flags.DEFINE_bool('cap_heavy', True, 'Cap the timed steps of heavy shapes (P: 3).')
 flags.DEFINE_string('out', 'runs/bench_train.json', 'Output JSON path.')
 flags.DEFINE_integer('depth', 0, 'Override the depth r of every shape (0: the shape\'s).')
-flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype.')
-flags.DEFINE_bool('remat', True, 'jax.checkpoint on each scanned core loop.')
+flags.DEFINE_enum('dtype', '', ['', 'float32', 'bfloat16'], 'Compute dtype (default: the '
+                  'shape\'s; 135m is bfloat16, the others float32).')
+flags.DEFINE_list('remat', [], f'Remat choices to time per shape, of {REMAT_CHOICES} '
+                  '(off: no jax.checkpoint); default: the shape\'s own choice.')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
 flags.DEFINE_string('tiny_flags', os.path.join(REPO, 'launch', 'tiny.flags'),
                     'Flag file the `tiny` shape is parsed from.')
+flags.DEFINE_string('reference_dir', '', 'Checkout of seal-rg/recurrent-pretraining: time '
+                    'the reference\'s own training step at S and P in this run (needs '
+                    "torch: pip install -e '.[reference]'); empty: quote the recorded figures.")
+flags.DEFINE_integer('reference_threads', 2, 'torch.set_num_threads for the reference.')
+flags.DEFINE_integer('rounds', 1, 'Alternate our steps and the reference\'s this many times '
+                     '(medians over all rounds; more rounds even out a shared machine\'s load).')
 
-TARGET_RATIO = 2.0  # x the reference figure (measured elsewhere: see bench_util)
+TARGET_RATIO = 1.2  # x the reference's tokens/s (issue 13)
 TARGET_PEAK_FRACTION = {'S': 0.40}
+REFERENCE_SHAPES = ('S', 'P', 'Pmha')  # shapes the reference's config classes can express
 
 
-def _shape(name: str, seq_len: int, batch_size: int, r: int, max_steps=None):
-  """(model overrides, train overrides, depth r, max timed steps or None) of a shared shape."""
-  return (dict(bench_util.MODEL_SHAPES[name], max_len=seq_len),
-          dict(seq_len=seq_len, batch_size=batch_size), r, max_steps)
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A benchmark shape: model/train overrides, depth, and how it is run."""
+  model: dict | None        # None: parsed from --tiny_flags
+  train: dict | None
+  r: int
+  max_steps: int | None = None  # cap of the timed steps (heavy shapes)
+  remat: str = 'nothing'        # the shape's remat choice (REMAT_CHOICES)
+  dtype: str = 'float32'
+  timed_on_cpu: bool = True     # False: on CPU only compiled (FLOPs and memory reported)
+
+
+def _shape(name: str, seq_len: int, batch_size: int, r: int, **kw) -> Shape:
+  """A Shape of bench_util.MODEL_SHAPES[name] at these sequence/batch sizes."""
+  train_kw = dict(seq_len=seq_len, batch_size=batch_size, **kw.pop('train', {}))
+  return Shape(dict(bench_util.MODEL_SHAPES[name], max_len=seq_len), train_kw, r, **kw)
 
 
 SHAPES = {
     # launch/tiny.flags, parsed at run time (model and train fields), at r=8
-    'tiny': (None, None, 8, None),
-    'S': _shape('S', 256, 8, 8),  # the comparison point with the reference figures
-    'P': _shape('P', 512, 2, 8, 3),  # the 135M block shape
+    'tiny': Shape(None, None, 8),
+    # the comparison points with the reference; remat per shape (WORKSPACE.md, issue 13):
+    # S keeps the matmul outputs (faster, memory is no concern there), P recomputes them
+    # (no more memory than before)
+    'S': _shape('S', 256, 8, 8, remat='dots'),
+    'P': _shape('P', 512, 2, 8, max_steps=3),  # the 135M block shape
+    # P with 9 kv heads: the reference's config has no GQA, so this is P at its FLOPs
+    'Pmha': dataclasses.replace(_shape('P', 512, 2, 8, max_steps=3), model=dict(
+        bench_util.MODEL_SHAPES['P'], num_kv_heads=9, max_len=512)),
+    # the real 135M step of launch/135m.flags: bf16, 16 x 2048, 8 micro-batches per step
+    '135m': _shape('P', 2048, 16, 8, max_steps=3, dtype='bfloat16', timed_on_cpu=False,
+                   train=dict(tokens_per_step=262144)),
     'nano': _shape('nano', 16, 2, 2),  # a few-second shape for the smoke test
 }
 
 
-def shape_config(name: str, r: int, dtype: str, remat: bool) -> config_lib.Config:
+def shape_config(name: str, r: int, dtype: str, remat: str) -> config_lib.Config:
   """The Config of a shape at fixed depth r (a single bucket: the switch has one branch)."""
-  model_kw, train_kw, _, _ = SHAPES[name]
+  sh = SHAPES[name]
+  model_kw, train_kw = sh.model, sh.train
   if model_kw is None:  # tiny: parse the launch file as pretrain does
     parsed = flags_util.parse_config(['bench_train', f'--flagfile={FLAGS.tiny_flags}'])
     model_kw = dataclasses.asdict(parsed.model)
     train_kw = {k: getattr(parsed.train, k) for k in ('seq_len', 'batch_size')}
   model = dataclasses.replace(config_lib.ModelConfig(), **{**model_kw, 'dtype': dtype})
-  depth = config_lib.DepthConfig(mean=float(r), sigma=0.0, r_max=r, buckets=(r,),
-                                 remat=remat)
+  depth = config_lib.DepthConfig(
+      mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
+      remat_policy=config_lib.RematPolicy.NOTHING if remat == 'off' else remat)
   train = dataclasses.replace(config_lib.TrainConfig(), **train_kw, steps=1000,
                               warmup_steps=10)
   cfg = config_lib.Config(model=model, depth=depth, train=train)
@@ -99,7 +145,12 @@ def flop_counts(cfg: config_lib.Config, r: int) -> dict:
   """Per-token FLOPs: model (3x forward) and hardware (plus the remat recompute)."""
   fwd = model_lib.flops_per_token(cfg.model, r, cfg.train.seq_len)
   model = 3 * fwd['total']
-  recompute = r * fwd['loop'] if cfg.depth.remat else 0.0
+  m = cfg.model
+  kept = {  # matmul FLOPs per token of one loop that the backward pass recomputes
+      config_lib.RematPolicy.NOTHING: fwd['loop'],
+      config_lib.RematPolicy.DOTS: m.n_core * 2 * m.num_heads * m.head_dim * cfg.train.seq_len,
+      config_lib.RematPolicy.ALL_DOTS: 0.0}  # DOTS: attention scores/outputs (causal half)
+  recompute = r * kept[cfg.depth.remat_policy] if cfg.depth.remat else 0.0
   return dict(forward=float(fwd['total']), model=float(model),
               remat_recompute=float(recompute), hw=float(model + recompute),
               head_fraction=float(fwd['head'] / fwd['total']))
@@ -114,54 +165,114 @@ def random_batch(cfg: config_lib.Config, seed: int = 0) -> dict:
               mask=np.ones(shape, np.float32))
 
 
-def bench_shape(name: str, steps: int, warmup: int) -> dict:
-  """Compiles and times the train step of one shape."""
-  r = FLAGS.depth or SHAPES[name][2]
-  cfg = shape_config(name, r, FLAGS.dtype, FLAGS.remat)
-  mesh = distributed.make_mesh(jax.devices()[:1])
-  graphdef, state = train_lib.init_state(cfg, cfg.train.seed)
-  state = train_lib.place_state(state, mesh)
-  step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
-  batch = distributed.shard_batch([random_batch(cfg)], mesh, 1)
-  tokens = cfg.train.batch_size * cfg.train.seq_len
+class OurStep:
+  """The library's train step of one shape and remat choice, compiled; times steps on demand."""
 
-  t0 = time.perf_counter()
-  compiled = step_fn.lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  mem = {}
-  try:
-    ma = compiled.memory_analysis()
-    mem = dict(temp_bytes=int(ma.temp_size_in_bytes),
-               argument_bytes=int(ma.argument_size_in_bytes))
-  except Exception:  # pylint: disable=broad-except
-    pass
-
-  times, losses, depths = [], [], set()
-  for i in range(warmup + steps):
+  def __init__(self, name: str, r: int, dtype: str, remat: str, timed: bool):
+    self.name, self.r, self.remat = name, r, remat
+    self.cfg = cfg = shape_config(name, r, dtype, remat)
+    self.accum = config_lib.grad_accum_steps(cfg.train)
+    self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
+    mesh = distributed.make_mesh(jax.devices()[:1])
     t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    loss = float(m['loss'])  # blocks
-    dt = time.perf_counter() - t0
-    losses.append(loss)
-    depths.add(int(m['bucket']))
-    if i >= warmup:
-      times.append(dt)
-  med = statistics.median(times)
-  fl = flop_counts(cfg, r)
-  return dict(
-      shape=name, depth=r, dtype=cfg.model.dtype, remat=cfg.depth.remat,
-      params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
-      seq_len=cfg.train.seq_len, tokens_per_step=tokens, config=train_lib.config_dict(cfg),
-      compile_s=compile_s, step_times_s=times, step_s_median=med,
-      step_s_min=min(times), tokens_per_s=tokens / med,
-      tokens_per_s_best=tokens / min(times),
-      flops_per_token=fl['model'], flops_per_token_forward=fl['forward'],
-      flops_per_token_remat_recompute=fl['remat_recompute'],
-      flops_per_token_hw=fl['hw'], head_flop_fraction=fl['head_fraction'],
-      model_flops_per_s=fl['model'] * tokens / med,
-      hw_flops_per_s=fl['hw'] * tokens / med,
-      first_loss=losses[0], last_loss=losses[-1],
-      all_finite=bool(np.all(np.isfinite(losses))), depths_run=sorted(depths), **mem)
+    if timed:
+      graphdef, state = train_lib.init_state(cfg, cfg.train.seed)
+      self.state = train_lib.place_state(state, mesh)
+      self.batch = distributed.shard_batch(
+          [random_batch(cfg, i) for i in range(self.accum)], mesh, self.accum)
+      step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
+      self.compiled = step_fn.lower(self.state, self.batch).compile()
+    else:  # nothing allocated: FLOPs and memory only
+      self.compiled = dry_run.compile_abstract(cfg, mesh)
+    self.compile_s = time.perf_counter() - t0
+    self.times, self.cpu_times, self.losses, self.depths = [], [], [], set()
+
+  def run(self, steps: int, warmup: int = 0) -> None:
+    """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
+    for i in range(warmup + steps):
+      t0, c0 = time.perf_counter(), time.process_time()
+      self.state, m = self.compiled(self.state, self.batch)
+      loss = float(m['loss'])  # blocks
+      dt, dc = time.perf_counter() - t0, time.process_time() - c0
+      self.losses.append(loss)
+      self.depths.add(int(m['bucket']))
+      if i >= warmup:
+        self.times.append(dt)
+        self.cpu_times.append(dc)
+
+  def compiled_figures(self) -> dict:
+    """XLA's cost (FLOPs per step, incl. remat) and memory analysis of the compiled step."""
+    out = {}
+    try:
+      cost = self.compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      # XLA's count: a scan's loop body is counted once, not r times
+      out['compiled_flops_per_step'] = float(cost.get('flops', 0.0))
+      out['compiled_bytes_accessed_per_step'] = float(cost.get('bytes accessed', 0.0))
+    except Exception:  # pylint: disable=broad-except  not every backend reports it
+      pass
+    try:
+      mem = dry_run.memory_of(self.compiled)
+      out.update(temp_bytes=mem['temp_size_in_bytes'],
+                 argument_bytes=mem['argument_size_in_bytes'], peak_bytes=mem['peak_bytes'])
+    except Exception:  # pylint: disable=broad-except
+      pass
+    return out
+
+  def result(self) -> dict:
+    """The shape's JSON record (timing fields only when steps were run)."""
+    cfg, tokens = self.cfg, self.tokens
+    fl = flop_counts(cfg, self.r)
+    res = dict(
+        shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
+        params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
+        seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
+        config=train_lib.config_dict(cfg), compile_s=self.compile_s,
+        flops_per_token=fl['model'], flops_per_token_forward=fl['forward'],
+        flops_per_token_remat_recompute=fl['remat_recompute'],
+        flops_per_token_hw=fl['hw'], head_flop_fraction=fl['head_fraction'],
+        timed=bool(self.times), **self.compiled_figures())
+    if 'compiled_flops_per_step' in res:
+      res['compiled_flops_per_token'] = res['compiled_flops_per_step'] / tokens
+    if not self.times:
+      return res
+    med = statistics.median(self.times)
+    res.update(
+        step_times_s=self.times, step_cpu_s=self.cpu_times, step_s_median=med,
+        step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
+        tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),
+        model_flops_per_s=fl['model'] * tokens / med,
+        first_loss=self.losses[0], last_loss=self.losses[-1],
+        all_finite=bool(np.all(np.isfinite(self.losses))), depths_run=sorted(self.depths),
+        hw_flops_per_s=fl['hw'] * tokens / med)
+    return res
+
+
+def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dict]:
+  """Compiles and times the train step of one shape for each remat choice, and the
+  reference's step (--reference_dir) at S and P, alternating for `rounds` rounds."""
+  sh = SHAPES[name]
+  r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
+  timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
+  ours = [OurStep(name, r, dtype, c, timed) for c in (FLAGS.remat or [sh.remat])]
+  ref = None
+  if FLAGS.reference_dir and name in REFERENCE_SHAPES:
+    ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[
+        'seq_len'], batch_size=sh.train['batch_size'], r=r, threads=FLAGS.reference_threads)
+  for i in range(rounds if timed else 0):
+    for o in ours:
+      o.run(steps, warmup if i == 0 else 0)
+    if ref is not None:
+      ref.run(steps, warmup if i == 0 else 0)
+  results = [o.result() for o in ours]
+  if ref is not None:
+    measured = ref.result()
+    for res in results:
+      res['reference'] = measured
+      res['reference_tokens_per_s'] = measured['tokens_per_s']
+      res['reference_note'] = ('measured in this run, one step after the other (never at '
+                               'once), by experiments/bench_reference.py')
+  return results
 
 
 def busy_processes(limit: int = 8) -> list[str]:
@@ -176,77 +287,118 @@ def busy_processes(limit: int = 8) -> list[str]:
   return rows[:limit]
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+def check_flags() -> None:
+  """Bad flags -> a one-line `error: ...` (exit 2) before anything compiles."""
   unknown = [s for s in FLAGS.shapes if s not in SHAPES]
   if unknown:
-    raise app.UsageError(f'unknown shapes {unknown}; known: {sorted(SHAPES)}')
+    flags_util.fail(f'--shapes: unknown {unknown}; known: {sorted(SHAPES)}')
+  bad = [c for c in FLAGS.remat if c not in REMAT_CHOICES]
+  if bad:
+    flags_util.fail(f'--remat: unknown choices {bad}; known: {REMAT_CHOICES}')
+  if FLAGS.rounds < 1 or FLAGS.steps < 1:
+    flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
+  if FLAGS.reference_dir:
+    try:
+      bench_reference.check_reference_dir(FLAGS.reference_dir)
+    except bench_reference.ReferenceUnavailable as e:
+      flags_util.fail(str(e))
+
+
+def _score(res: dict, peak: float, device_peak: float) -> None:
+  """Adds the fractions of peak, MFU and the ratio against the reference to a result."""
+  if not res['timed']:
+    return
+  res['fraction_of_peak'] = res['model_flops_per_s'] / peak
+  res['hw_fraction_of_peak'] = res['hw_flops_per_s'] / peak
+  if device_peak:  # accelerators: MFU against the device kind's bf16 peak
+    res['device_peak_flops'] = device_peak
+    res['mfu'] = res['model_flops_per_s'] / device_peak
+  ref = res.get('reference_tokens_per_s')
+  if ref is None:
+    ref = bench_util.reference_tok_s('train', res['shape'], seq_len=res['seq_len'],
+                                     batch_size=res['batch_size'], depth=res['depth'])
+    if ref:
+      res['reference_tokens_per_s'] = ref
+      res['reference_note'] = bench_util.REFERENCE_NOTE
+  if ref:
+    res['ratio_vs_reference'] = res['tokens_per_s'] / ref
+    res['target_tokens_per_s'] = TARGET_RATIO * ref
+    res['meets_speed_target'] = res['tokens_per_s'] >= TARGET_RATIO * ref
+  if res['shape'] in TARGET_PEAK_FRACTION:
+    res['target_fraction_of_peak'] = TARGET_PEAK_FRACTION[res['shape']]
+    res['meets_peak_target'] = res['fraction_of_peak'] >= TARGET_PEAK_FRACTION[res['shape']]
+
+
+def _print_table(doc: dict) -> None:
+  """The human-readable summary of a run."""
+  print(f'\nmatmul peak (fp32, n={FLAGS.peak_n}): {doc["matmul_peak_flops"] / 1e9:.1f} '
+        f'GFLOP/s; load avg {doc["load_avg_start"][0]:.2f} -> {doc["load_avg_end"][0]:.2f}')
+  head = (f'{"shape":6} {"remat":>8} {"tok/step":>8} {"step s":>7} {"tok/s":>9} '
+          f'{"GF/tok":>7} {"%peak":>6} {"%pk hw":>6} {"temp MB":>8} {"ref tok/s":>9} '
+          f'{"ratio":>6} {"target":>7}')
+  print(head + '\n' + '-' * len(head))
+  notes = set()
+  for res in doc['results']:
+    line = (f'{res["shape"]:6} {res["remat"]:>8} {res["tokens_per_step"]:>8} ')
+    temp = f'{res.get("temp_bytes", float("nan")) / 1e6:>8.0f}'
+    if not res['timed']:
+      print(line + f'{"(compiled only on cpu: not timed)":>46} {temp}  '
+            f'model {res["flops_per_token"] * res["tokens_per_step"]:.3g} FLOP/step')
+      continue
+    ref = res.get('reference_tokens_per_s')
+    line += (f'{res["step_s_median"]:>7.3f} {res["tokens_per_s"]:>9,.1f} '
+             f'{res["flops_per_token"] / 1e9:>7.3f} {100 * res["fraction_of_peak"]:>5.1f}% '
+             f'{100 * res["hw_fraction_of_peak"]:>5.1f}% {temp} ')
+    if ref:
+      notes.add(res['reference_note'])
+      line += (f'{ref:>9,.1f} {res["ratio_vs_reference"]:>5.2f}x '
+               f'{"met" if res["meets_speed_target"] else "MISSED":>7}')
+    print(line + (f'  MFU {100 * res["mfu"]:.1f}%' if 'mfu' in res else ''))
+  for n in sorted(notes):
+    print(f'reference: {n}')
+  print(f'wrote {FLAGS.out}')
+
+
+def main(argv):
+  if len(argv) > 1:
+    flags_util.fail(f'unexpected arguments {argv[1:]}')
+  check_flags()
   load_start = os.getloadavg()
   procs_start = busy_processes()
   t_start = time.perf_counter()
   peaks = [metrics.measure_matmul_peak(FLAGS.peak_n)]
   results = []
   for name in FLAGS.shapes:
-    cap = SHAPES[name][3] if FLAGS.cap_heavy else None
+    cap = SHAPES[name].max_steps if FLAGS.cap_heavy else None
     steps = max(1, min(FLAGS.steps, cap) if cap else FLAGS.steps)
-    res = bench_shape(name, steps, FLAGS.warmup)
-    results.append(res)
-    print(f'{name}: {res["tokens_per_s"]:,.0f} tok/s (median of {steps}, '
-          f'compile {res["compile_s"]:.1f}s)', flush=True)
+    for res in bench_shape(name, steps, FLAGS.warmup, FLAGS.rounds):
+      results.append(res)
+      print(f'{name} remat={res["remat"]}: ' + (
+          f'{res["tokens_per_s"]:,.1f} tok/s (median of {len(res["step_times_s"])})'
+          if res['timed'] else 'compiled only') + f', compile {res["compile_s"]:.1f}s'
+          + (f'; reference {res["reference"]["tokens_per_s"]:,.1f} tok/s'
+             if 'reference' in res else ''), flush=True)
   peaks.append(metrics.measure_matmul_peak(FLAGS.peak_n))
   peak = float(statistics.median(peaks))
+  device_peak = metrics.peak_flops() if jax.default_backend() != 'cpu' else 0.0
   for res in results:
-    res['fraction_of_peak'] = res['model_flops_per_s'] / peak
-    res['hw_fraction_of_peak'] = res['hw_flops_per_s'] / peak
-    ref = bench_util.reference_tok_s('train', res['shape'], seq_len=res['seq_len'],
-                                     batch_size=res['batch_size'], depth=res['depth'])
-    if ref:
-      res['reference_tokens_per_s'] = ref
-      res['reference_note'] = bench_util.REFERENCE_NOTE
-      res['ratio_vs_reference'] = res['tokens_per_s'] / ref
-      res['target_tokens_per_s'] = TARGET_RATIO * ref
-      res['meets_speed_target'] = res['tokens_per_s'] >= TARGET_RATIO * ref
-      # tokens/s that the speed target implies at 100% of the measured matmul peak
-      res['target_fraction_of_peak_needed'] = TARGET_RATIO * ref * res['flops_per_token'] / peak
-    if res['shape'] in TARGET_PEAK_FRACTION:
-      res['target_fraction_of_peak'] = TARGET_PEAK_FRACTION[res['shape']]
-      res['meets_peak_target'] = res['fraction_of_peak'] >= TARGET_PEAK_FRACTION[res['shape']]
-
+    _score(res, peak, device_peak)
   doc = dict(
       date=datetime.datetime.now().isoformat(timespec='seconds'),
-      command=' '.join(sys.argv), flags={k: FLAGS[k].value for k in
-                                         ('shapes', 'steps', 'warmup', 'cap_heavy', 'depth',
-                                          'dtype', 'remat', 'peak_n')},
+      command=' '.join(sys.argv), flags={k: FLAGS[k].value for k in (
+          'shapes', 'steps', 'warmup', 'cap_heavy', 'depth', 'dtype', 'remat', 'peak_n',
+          'reference_dir', 'reference_threads', 'rounds')},
       jax_version=jax.__version__, backend=jax.default_backend(),
       devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(),
-      machine=platform.machine(), xla_flags=os.environ.get('XLA_FLAGS', ''),
+      machine=platform.machine(), cpu=bench_util.cpu_description(),
+      xla_flags=os.environ.get('XLA_FLAGS', ''),
       matmul_peak_flops=peak, matmul_peak_samples=peaks,
       load_avg_start=list(load_start), load_avg_end=list(os.getloadavg()),
       other_processes_start=procs_start, other_processes_end=busy_processes(),
       wall_s=time.perf_counter() - t_start, results=results)
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  with open(FLAGS.out, 'w', encoding='utf-8') as f:
-    json.dump(doc, f, indent=1)
-
-  print(f'\nmatmul peak (fp32, n={FLAGS.peak_n}): {peak / 1e9:.1f} GFLOP/s; '
-        f'load avg {load_start[0]:.2f} -> {doc["load_avg_end"][0]:.2f}')
-  head = (f'{"shape":6} {"params":>9} {"tok/step":>8} {"step s":>7} {"tok/s":>9} '
-          f'{"GF/tok":>7} {"GFLOP/s":>8} {"%peak":>6} {"%peak hw":>8} {"ref tok/s*":>10} '
-          f'{"ratio*":>6} {"target":>7}')
-  print(head)
-  print('-' * len(head))
-  for res in results:
-    ref = res.get('reference_tokens_per_s')
-    print(f'{res["shape"]:6} {res["params"]:>9,} {res["tokens_per_step"]:>8} '
-          f'{res["step_s_median"]:>7.3f} {res["tokens_per_s"]:>9,.0f} '
-          f'{res["flops_per_token"] / 1e9:>7.3f} {res["model_flops_per_s"] / 1e9:>8.1f} '
-          f'{100 * res["fraction_of_peak"]:>5.1f}% {100 * res["hw_fraction_of_peak"]:>7.1f}% '
-          + (f'{ref:>10,.0f} {res["ratio_vs_reference"]:>5.2f}x '
-             f'{"met" if res["meets_speed_target"] else "MISSED":>7}' if ref else
-             f'{"-":>10} {"-":>6} {"-":>7}'))
-  print(f'* {bench_util.REFERENCE_NOTE}\nwrote {FLAGS.out}')
+  bench_util.write_json(FLAGS.out, doc)
+  _print_table(doc)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

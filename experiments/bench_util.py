@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import statistics
 import time
 
@@ -27,6 +28,20 @@ def time_fn(fn, args, repeats):
     times.append(time.perf_counter() - t0)
   return {'median_s': statistics.median(times), 'min_s': min(times),
           'repeats': repeats}
+
+
+def cpu_description() -> str:
+  """The CPU's model name and vector extensions (AVX2 / AVX-512), for the record."""
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+      info = f.read()
+  except OSError:
+    return platform.processor() or 'unknown'
+  name = next((l.split(':', 1)[1].strip() for l in info.splitlines()
+               if l.startswith('model name')), 'unknown')
+  flags_line = next((l for l in info.splitlines() if l.startswith('flags')), '').split()
+  isa = [x for x in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if x in flags_line]
+  return f'{name} ({", ".join(isa) or "no AVX2"})'
 
 
 # The model shapes the benchmarks share (the reference figures were measured at S and P).

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import bench_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_train_writes_positive_numbers(tmp_path):
   out = tmp_path / 'bench_train.json'
   cmd = [sys.executable, '-m', 'experiments.bench_train', '--shapes=nano', '--steps=1',
-         '--warmup=1', '--peak_n=256', f'--out={out}']
+         '--warmup=1', '--peak_n=256', '--remat=nothing,off', f'--out={out}']
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                         check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,8 +30,11 @@ def test_bench_train_writes_positive_numbers(tmp_path):
     assert key in doc
   assert doc['matmul_peak_flops'] > 0
   assert len(doc['load_avg_start']) == 3
-  [res] = doc['results']
-  assert res['shape'] == 'nano'
+  res, off = doc['results']
+  assert (res['remat'], off['remat']) == ('nothing', 'off')
+  assert off['temp_bytes'] > res['temp_bytes'] > 0  # remat trades recompute for memory
+  assert off['flops_per_token_hw'] == off['flops_per_token']  # nothing recomputed
+  assert res['shape'] == 'nano' and 'reference' not in res  # no --reference_dir
   assert res['depths_run'] == [res['depth']]  # the depth really was fixed
   assert res['all_finite']
   assert len(res['step_times_s']) == 1
@@ -41,6 +46,34 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   assert res['flops_per_token'] == 3 * res['flops_per_token_forward']
   assert res['flops_per_token_hw'] >= res['flops_per_token']
   assert 'nano' in proc.stdout
+
+
+@pytest.mark.parametrize('flag,needle', [
+    ('--reference_dir=/nonexistent', 'holds no recpre/raven_modeling_minimal.py'),
+    ('--remat=some', "--remat: unknown choices ['some']")])
+def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
+  proc = subprocess.run([sys.executable, '-m', 'experiments.bench_train', '--shapes=nano',
+                         flag], cwd=REPO, capture_output=True, text=True, timeout=120,
+                        check=False)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
+
+
+def test_profile_train_attributes_the_step_time(tmp_path):
+  out = tmp_path / 'profile.json'
+  proc = subprocess.run([sys.executable, '-m', 'experiments.profile_train', '--shapes=nano',
+                         '--profile_steps=1', f'--out={out}'], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [res] = json.loads(out.read_text())['results']
+  assert res['op_s'] > 0 and res['wall_s'] > 0
+  for axis, parts in res['summary'].items():  # every axis partitions the same op time
+    assert sum(parts.values()) == pytest.approx(res['op_s'], rel=1e-6), axis
+  assert res['unmatched_s'] < 0.05 * res['op_s']  # nearly every op event found its HLO op
+  assert {'core loops', 'outside loops', 'optimizer'} <= set(res['summary']['region'])
+  assert {'forward', 'backward', 'remat recompute'} <= set(res['summary']['pass'])
+  assert {'mlp', 'sdpa', 'norm'} <= set(res['summary']['part'])
 
 
 def test_bench_generate_writes_all_variants(tmp_path):

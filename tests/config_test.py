@@ -130,6 +130,13 @@ def test_cross_field_checks_name_both_fields():
     config_lib.validate(cfg)
 
 
+def test_bad_remat_policy_is_rejected_by_name():
+  cfg = with_value('depth.remat_policy', 'everything')
+  with pytest.raises(config_lib.ConfigError, match="depth.remat_policy='everything' not in "
+                     r"\['all_dots', 'dots', 'nothing'\]"):
+    config_lib.validate(cfg)
+
+
 @pytest.mark.parametrize('flag,needle', [('--config.model.d_model=-5', 'model.d_model=-5'),
                                          ('--config.model.head_dim=0', 'model.head_dim=0')])
 def test_pretrain_exits_2_with_one_line(flag, needle, tmp_path):

@@ -184,6 +184,24 @@ def test_attention_matches_numpy_gqa(model_cfg):
   assert np.abs(wrong - want).max() > 1e-2 * np.abs(want).max()
 
 
+@pytest.mark.parametrize('l', [8, 128, 256])  # 1, 2 and 4 query chunks
+def test_causal_attention_matches_numpy_and_its_gradient_jax(l):
+  rng = np.random.default_rng(l)
+  q, k, v = (rng.normal(size=(2, l, h, 16)).astype(np.float32) for h in (6, 2, 2))
+  got = model_lib.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  kk, vv = np.repeat(f64(k), 3, axis=2), np.repeat(f64(v), 3, axis=2)  # GQA: h // 3
+  s = np.einsum('bqhk,bshk->bhqs', f64(q), kk) / 4.0
+  s = np.where(np.tril(np.ones((l, l), bool)), s, -np.inf)
+  w = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum('bhqs,bshk->bqhk', w / w.sum(-1, keepdims=True), vv)
+  np.testing.assert_allclose(f64(got), want, rtol=1e-4, atol=1e-5)
+  loss = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2))(
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  sdpa = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  for g, want_g in zip(loss(model_lib.causal_attention), loss(sdpa)):
+    np.testing.assert_allclose(f64(g), f64(want_g), rtol=1e-4, atol=1e-5)
+
+
 def test_attention_explicit_causal_mask_via_kv_fn(model_cfg):
   attn = model_lib.Attention(model_cfg, nnx.Rngs(0))
   randomise(attn, 4)

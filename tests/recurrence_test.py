@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from elastic_depth import config as config_lib
 from elastic_depth import model as model_lib
 from elastic_depth import recurrence
 
@@ -132,10 +133,12 @@ def test_single_bucket_skips_switch(core, unrolled_vg):
                              float(unrolled_vg(params, 3, 0)[0]), rtol=1e-5)
 
 
-def test_fixed_depth_remat_matches_plain(core, unrolled_vg):
+@pytest.mark.parametrize('policy', list(config_lib.RematPolicy))
+def test_fixed_depth_remat_matches_plain(core, unrolled_vg, policy):
   _, params, loss_of = core
   vg = lambda remat: jax.jit(jax.value_and_grad(lambda p: loss_of(
-      p, lambda st, s0: recurrence.fixed_depth(st, s0, 3, remat=remat))))(params)
+      p, lambda st, s0: recurrence.fixed_depth(
+          st, s0, 3, remat=remat, policy=model_lib.REMAT_POLICIES[policy]))))(params)
   (v1, g1), (v2, g2) = vg(True), vg(False)
   np.testing.assert_allclose(float(v1), float(v2), rtol=1e-6)
   assert_tree_close(g1, g2)

@@ -1,0 +1,151 @@
+"""Where the training step's time goes: a jax.profiler trace, summed per part of the model.
+
+Usage: python -m experiments.profile_train --shapes=S [--remat=nothing] [--profile_steps=2]
+  [--out=runs/profile_train.json]
+
+Builds the same step as `bench_train` (its flags: --shapes, --remat, --depth, --dtype),
+runs one untimed step, traces --profile_steps steps with `jax.profiler`, and sums the
+XLA:CPU op events (on every thread) by
+  region: the core loops (inside the depth scan), outside them (embedding, prelude, coda,
+          head, loss), or the optimizer (clipping and AdamW, outside the micro-batch scan);
+  pass:   forward, backward, or the forward that remat recomputes in the backward pass;
+  part:   the model's named scopes (attention projections, sdpa, rope, mlp, norm, adapter,
+          head) or `other`;
+  kind:   matmul (a dot, or a fusion around one) or elementwise (every other op).
+Each op event is attributed through its HLO instruction's op_name. Times are per step,
+summed over the threads that ran ops; `wall_s` is the step's wall time.
+"""
+
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import jax
+
+from experiments import bench_train
+from experiments import bench_util
+from experiments import flags_util
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('profile_steps', 2, 'Steps traced per shape.')
+
+PARTS = ('sdpa', 'rope', 'attention', 'mlp', 'adapter', 'head', 'norm')  # innermost first
+_INSTR = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*? (\w[\w-]*)\((.*)$', re.M)
+_COMP = re.compile(r'^(?:ENTRY )?%(\S+) .*\{\s*$', re.M)
+
+
+def hlo_ops(hlo_text: str) -> dict:
+  """HLO instruction name -> (op_name metadata, is_matmul) of a compiled module's text."""
+  has_dot = {}  # computation name -> contains a dot
+  for block in re.split(r'\n(?=\S)', hlo_text):
+    m = _COMP.match(block)
+    if m:
+      has_dot[m.group(1)] = bool(re.search(r' dot\(', block))
+  out = {}
+  for m in _INSTR.finditer(hlo_text):
+    name, op, rest = m.groups()
+    on = re.search(r'op_name="([^"]*)"', rest)
+    calls = re.search(r'calls=%([\w.-]+)', rest)
+    matmul = op == 'dot' or bool(calls and has_dot.get(calls.group(1)))
+    out[name] = (on.group(1) if on else '', matmul)
+  return out
+
+
+def classify(op_name: str, matmul: bool) -> tuple[str, str, str, str]:
+  """(region, pass, part, kind) of one op from its op_name."""
+  if '/while/' not in op_name:
+    region = 'optimizer' if op_name else 'other'
+  else:
+    region = 'core loops' if op_name.count('/while/') >= 2 else 'outside loops'
+  if 'rematted_computation' in op_name:
+    pas = 'remat recompute'
+  elif 'transpose(' in op_name:
+    pas = 'backward'
+  else:
+    pas = 'forward'
+  scopes = set(re.split(r'[/()]', op_name))
+  part = next((p for p in PARTS if p in scopes), 'other')
+  return region, pas, part, 'matmul' if matmul else 'elementwise'
+
+
+def op_times(trace_dir: str) -> collections.Counter:
+  """Summed duration (ns) per XLA op name over every thread of a trace."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  path = sorted(glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True))[-1]
+  times = collections.Counter()
+  for plane in ProfileData.from_file(path).planes:
+    for line in plane.lines:
+      if 'XLA' not in line.name:
+        continue
+      for ev in line.events:
+        if not (ev.name.startswith('ThunkExecutor') or 'Await' in ev.name):
+          times[ev.name] += ev.duration_ns
+  return times
+
+
+def profile_shape(name: str, remat: str, steps: int) -> dict:
+  """Traces `steps` steps of one shape and returns the time breakdown (seconds per step)."""
+  sh = bench_train.SHAPES[name]
+  ours = bench_train.OurStep(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat, True)
+  ours.run(0, warmup=1)
+  ops = hlo_ops(ours.compiled.as_text())
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    t0 = time.perf_counter()
+    ours.run(steps)
+    wall = (time.perf_counter() - t0) / steps
+    jax.profiler.stop_trace()
+    times = op_times(d)
+  by = collections.defaultdict(float)
+  unmatched = 0.0
+  for op, ns in times.items():
+    if op not in ops:
+      unmatched += ns
+      continue
+    region, pas, part, kind = classify(*ops[op])
+    by[' | '.join((region, pas, part, kind))] += ns / 1e9 / steps
+  total = sum(by.values())
+  summary = {axis: _sum_by(by, i) for i, axis in enumerate(('region', 'pass', 'part', 'kind'))}
+  return dict(shape=name, remat=remat, steps=steps, wall_s=wall, op_s=total,
+              unmatched_s=unmatched / 1e9 / steps, summary=summary,
+              detail=dict(sorted(by.items(), key=lambda kv: -kv[1])))
+
+
+def _sum_by(by: dict, i: int) -> dict:
+  out = collections.defaultdict(float)
+  for key, v in by.items():
+    out[key.split(' | ')[i]] += v
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv):
+  if len(argv) > 1:
+    flags_util.fail(f'unexpected arguments {argv[1:]}')
+  bench_train.check_flags()
+  load = os.getloadavg()
+  results = []
+  for name in FLAGS.shapes:
+    for remat in FLAGS.remat or [bench_train.SHAPES[name].remat]:
+      res = profile_shape(name, remat, FLAGS.profile_steps)
+      results.append(res)
+      print(f'\n{name} remat={remat}: wall {res["wall_s"]:.2f} s/step, ops {res["op_s"]:.2f} '
+            f'thread-s/step')
+      for axis, parts in res['summary'].items():
+        print(f'  {axis:7s} ' + ', '.join(f'{k} {100 * v / res["op_s"]:.0f}%'
+                                          for k, v in parts.items()))
+  out = FLAGS.out if FLAGS.out != FLAGS['out'].default else 'runs/profile_train.json'
+  bench_util.write_json(out, dict(
+      command=" ".join(sys.argv), cpu=bench_util.cpu_description(),
+      load_avg_start=list(load), load_avg_end=list(os.getloadavg()),
+      jax_version=jax.__version__, results=results))
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=flags_util.parse_or_fail)
