@@ -105,7 +105,7 @@ class DataConfig:
   max_docs: int = 0          # documents per part (paths, val_paths, split); 0: all
   seed: int = 0
   # synthetic generator (see elastic_depth/data/synthetic.py)
-  synth_task: str = 'compose'  # compose (k permutations in order) | binding (k-hop lookup)
+  synth_task: str = 'compose'  # compose (k permutations in order) | chain | binding (k-hop lookup)
   loss_on: str = 'all'         # all | answers (synthetic: only targets with difficulty > 0)
   synth_examples: int = 4000
   synth_max_hops: int = 6
