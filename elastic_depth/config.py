@@ -110,8 +110,8 @@ class DataConfig:
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16
-  synth_num_ops: int = 4       # compose: fixed digit permutations (op symbols)
-  synth_curriculum: int = 0    # compose: training windows per curriculum stage; stage j
+  synth_num_ops: int = 4       # compose, chain: fixed digit permutations (op symbols)
+  synth_curriculum: int = 0    # compose, chain: training windows per curriculum stage; stage j
                                # draws k from 1..min(2 + j, synth_max_hops) (0: no curriculum)
 
 
