@@ -107,6 +107,30 @@ def test_compose_answers_and_difficulty_by_brute_force():
   assert ks == set(range(1, 7))
 
 
+def test_chain_answers_and_difficulty_by_brute_force():
+  train, val, vocab = synthetic.load(300, 5, 16, seed=2, val_fraction=0.2, task='chain',
+                                     num_ops=6)
+  tables = synthetic.op_tables(6)
+  ks = []
+  for ids, diff in zip(train.ids + val.ids, train.difficulty + val.difficulty):
+    toks, x, ops = vocab.decode(ids).split(), None, []
+    for t, d in zip(toks, diff):
+      if t in tables:  # an op: pending until the next digit
+        ops.append(t)
+        assert d == -1
+      elif x is None:  # the start digit is a random draw
+        x = int(t)
+        assert d == -1
+      else:  # an answer: the pending ops applied in order to the previous digit
+        for o in ops:
+          x = dict(enumerate(tables[o].tolist()))[x]
+        assert t == str(x) and d == len(ops) >= 1
+        ks.append(len(ops))
+        ops = []
+    assert not ops and len(ks) % synthetic.CHAIN_SEGMENTS == 0
+  assert set(ks) == set(range(1, 6))
+
+
 def test_unknown_task_is_a_clear_error():
   with pytest.raises(DataError, match='synth_task'):
     synthetic.load(10, 2, 4, seed=0, val_fraction=0.1, task='nope')

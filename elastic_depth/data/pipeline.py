@@ -141,7 +141,7 @@ class Curriculum:
 
 
 def curriculum_stages(cfg, tok, seq_len: int, answers_only: bool) -> list[Windows]:
-  """Windows of the easier stages (k <= 2, 3, ..., max_hops - 1) of a compose corpus."""
+  """Windows of the easier stages (k <= 2, 3, ..., max_hops - 1) of a compose or chain corpus."""
   out = []
   for j, k_max in enumerate(range(2, cfg.synth_max_hops)):
     split = synthetic.generate(cfg.synth_examples, k_max, cfg.synth_num_vars, cfg.seed,

@@ -168,7 +168,33 @@ def compose_program(rng: np.random.Generator, max_hops: int, num_vars: int,
   return tokens, difficulty
 
 
-TASKS = {'binding': program, 'compose': compose_program}
+CHAIN_SEGMENTS = 8  # answers per chain program
+
+
+def chain_program(rng: np.random.Generator, max_hops: int, num_vars: int,
+                  num_ops: int = 4) -> tuple[list[str], list[int]]:
+  """`d o o v1 o v2 ...`: CHAIN_SEGMENTS segments of k ~ U{1..max_hops} ops, each followed
+  by the value of its ops applied in order to the previous digit.
+
+  There is no `=`: an op position cannot tell whether its segment ends there, so every op
+  position has to hold the running value, and the answer after k ops needs the k
+  permutations applied one after the other (difficulty k). Same op tables as compose.
+  """
+  tables = op_tables(min(num_ops, num_vars))
+  ops = list(tables)
+  x = int(rng.integers(10))
+  tokens, difficulty = [DIGITS[x]], [RANDOM]
+  for _ in range(CHAIN_SEGMENTS):
+    k = int(rng.integers(1, max_hops + 1))
+    for i in rng.integers(len(ops), size=k):
+      x = int(tables[ops[int(i)]][x])
+      tokens.append(ops[int(i)])
+    tokens.append(DIGITS[x])
+    difficulty += [RANDOM] * k + [k]
+  return tokens, difficulty
+
+
+TASKS = {'binding': program, 'compose': compose_program, 'chain': chain_program}
 
 
 def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
@@ -204,9 +230,10 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
     num_vars: variable names in the vocabulary (>= max_hops, <= 52).
     seed: random seed; the same seed gives the same programs.
     val_fraction: validation programs = max(1, round(num_examples * val_fraction)).
-    task: 'binding' (k-hop variable lookup) or 'compose' (k fixed permutations applied
-      in order); validation excludes training programs only for 'binding'.
-    num_ops: compose: how many fixed permutations (op symbols, at most num_vars).
+    task: 'binding' (k-hop variable lookup), 'compose' (k fixed permutations applied
+      in order) or 'chain' (segments of k permutations continuing from the previous
+      answer); validation excludes training programs only for 'binding'.
+    num_ops: compose and chain: how many fixed permutations (op symbols, at most num_vars).
 
   Returns:
     (train, val, vocab); each Split holds int32 ids [T_i] and difficulty [T_i] per program.
@@ -214,7 +241,7 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
   if task not in TASKS:
     raise DataError(f'data.synth_task={task!r} not in {sorted(TASKS)}')
   vocab = SyntheticVocab(num_vars)
-  if task == 'compose' and not 1 <= num_ops <= num_vars:
+  if task in ('compose', 'chain') and not 1 <= num_ops <= num_vars:
     raise DataError(f'data.synth_num_ops={num_ops} must be in [1, synth_num_vars={num_vars}]')
   train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM, task=task,
                    num_ops=num_ops)

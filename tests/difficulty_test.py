@@ -1,0 +1,48 @@
+"""A reduced main job: on the chain task, trained for a couple of minutes, answers that
+need more permutations exit later, by a margin no depth-independent model could show."""
+
+import jax
+import pytest
+
+from elastic_depth import config as config_lib, difficulty, train
+from experiments import common
+
+STEPS = 300
+R_MAX = 6
+
+
+def _config() -> config_lib.Config:
+  return config_lib.Config(
+      model=config_lib.ModelConfig(vocab_size=32, d_model=128, num_heads=4, num_kv_heads=4,
+                                   head_dim=32, mlp_dim=256, n_prelude=1, n_core=1,
+                                   n_coda=1, attention='core', max_len=128),
+      depth=config_lib.DepthConfig(mean=4, r_max=R_MAX, buckets=tuple(range(1, R_MAX + 1))),
+      data=config_lib.DataConfig(synth_task='chain', synth_examples=4000, synth_max_hops=2,
+                                 val_fraction=0.1, loss_on='answers'),
+      train=config_lib.TrainConfig(steps=STEPS, batch_size=16, seq_len=128, lr=1e-3,
+                                   warmup_steps=50, eval_every=STEPS, ckpt_every=STEPS,
+                                   eval_batches=1, eval_depths=(1, 4)))
+
+
+@pytest.fixture(scope='module')
+def report(tmp_path_factory):
+  wd = str(tmp_path_factory.mktemp('chain'))
+  train.run(_config(), wd, quiet=True)
+  ld = common.load(common.Options(workdir=wd, batches=4, progress=False))
+  return difficulty.report(ld.model, ld.batches, jax.random.key(0), R_MAX, 4.0,
+                           eps_grid=[1e-4, 1e-3, 1e-2, 1e-1])
+
+
+def test_exit_depth_rises_with_k(report):
+  exit_k = report['a1']['kl_answers']['exit_depth_a1']
+  assert report['k'] == list(range(1, len(exit_k) + 1)) and len(exit_k) >= 2
+  assert all(a < b for a, b in zip(exit_k, exit_k[1:])), exit_k
+  # a model whose output does not depend on depth exits every token at loop 2 (the
+  # first KL check): its exit depths cannot differ by k
+  assert exit_k[-1] - exit_k[0] >= 0.5, exit_k
+
+
+def test_depth_is_used_by_the_hard_answers(report):
+  r1, ref = report['loss_depth1'], report['loss_train_mean']
+  assert r1[-1] - ref[-1] >= 0.5, (r1, ref)  # no recurrence: r1 == ref
+  assert ref[0] < 0.5, ref  # the easiest level is learned
