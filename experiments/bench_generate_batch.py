@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import flags, logging
 from flax import nnx
 
 from elastic_depth import analysis, config, inference, model as model_lib, serving
@@ -147,6 +147,7 @@ def main(calibrate) -> None:
     raise SystemExit(f'error: --batch_sizes must be integers, got {_BATCHES.value}') from None
   if any(x < 1 for x in sizes):
     raise SystemExit(f'error: --batch_sizes must be >= 1, got {sizes}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   mdl, pool, a0_depth, r_max, q, label = _setup(calibrate)
   doc = dict(date=time.strftime('%Y-%m-%d %H:%M'), model=label, quality=q,
              machine=f'{jax.default_backend()} {os.cpu_count()} cores', loadavg=os.getloadavg(),

@@ -96,8 +96,10 @@ def test_counts_equal_the_brute_force_schedule(setup):
   assert int(c.prelude_rows) == b * admits
 
 
-def test_uniform_equals_lockstep_generation(setup):
-  mdl, rng, _, _, _ = setup
+def test_uniform_equals_lockstep_generation():
+  """A0; with attention in the core only (prelude and coda blocks keep no cache)."""
+  mdl = model_lib.LoopedLM(dataclasses.replace(tiny_cfg(), attention='core'), nnx.Rngs(2))
+  rng = jax.random.key(1)
   cfg = config.ExitConfig(policy='uniform', depth=3)
   prompts = jnp.asarray(PROMPTS, jnp.int32)
   out = jax.jit(lambda p: serving.generate(mdl, p, N, cfg, rng))(prompts)
