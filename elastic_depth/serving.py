@@ -6,15 +6,18 @@ row's in-flight token. A row whose token exits (its KL check fires, or it reache
 max_loops) reads out its logits, picks its next token, runs the prelude on it and
 starts that token's loop 1 at the next step, while the other rows keep looping on
 their own tokens; a row that has produced its n_new tokens is idle. Rows therefore
-sit at different positions: per-row positions, cache writes and attention masks.
+sit at different positions: per-row positions, cache writes and attention masks. The
+core runs over all B rows at every step (idle rows masked): there is no compaction.
 
 Per row the semantics are exactly `inference.generate`'s (cached semantics, the same
 initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
 tokens and depths do not depend on the other rows. Each row may carry its own eps
-(a quality tier per request). The check's readout of loop i is kept in the carry as
-p_{i-1} of loop i + 1 (no paired readout), and a token's output is the readout of the
-loop at which it exits. Readouts run batched over all rows at a step where any row
-needs one; the Counts below record what executed.
+(a quality tier per request). The check is decode_step's: where a row may exit (a check
+loop, and for gated_kl a state change below the gate) the coda and head read the
+loop-(i-1) and loop-i states in one pass, and a firing check's logits are the token's
+output; a token that stops at max_loops without a check at that loop gets a final
+readout. Both passes run batched over all B rows at a step where any row needs them;
+the Counts below record what executed.
 """
 
 import dataclasses
@@ -57,8 +60,7 @@ class State(NamedTuple):
   pos: jax.Array           # [B] its position
   loop: jax.Array          # [B] loops it has run
   n: jax.Array             # [B] tokens exited so far (generated and decoded)
-  logits: jax.Array        # [B, V] readout of the last read loop (p_{i-1} of the check)
-  coda_new: list           # per coda block (k, v) [B, 1, G, K] of that readout
+  logits: jax.Array        # [B, V] output of each row's last exited token
   tokens: jax.Array        # [B, T]
   depth: jax.Array         # [B, n_new]
   counts: Counts
@@ -124,29 +126,56 @@ def _max_loops(cfg: ExitConfig) -> int:
   return cfg.depth if cfg.policy == ExitPolicy.UNIFORM else cfg.max_loops
 
 
-def _readout(model: LoopedLM, st: State, s_BxD, need_B):
-  """Batched coda + head readout of s (all rows); rows in need_B keep it in the carry."""
-  def run(_):
-    h, _, fresh = _run_cached(lambda f: model.decode_state(s_BxD, st.pos[:, None], f),
-                              st.cache.coda, st.pos, jnp.ones_like(need_B))
-    z = [kv if kv is not None else old for kv, old in zip(fresh, st.coda_new)]
-    return model.logits(h)[:, 0], z, jnp.int32(s_BxD.shape[0])
-  skip = lambda _: (st.logits, st.coda_new, jnp.int32(0))
-  logits, coda_new, n = lax.cond(jnp.any(need_B), run, skip, None)
-  keep = lambda new, old: jnp.where(need_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-  return keep(logits, st.logits), jax.tree.map(keep, coda_new, st.coda_new), n
+def _pair_kv(cache_kv, pos_B, fresh: list):
+  """kv_fn for the loop-(i-1) and loop-i queries of each row over its cache (< pos_B) and them."""
+  def fn(k, v):  # [B, 2, G, K]
+    fresh.append((k[:, -1:], v[:, -1:]))  # the loop-i state's keys/values
+    s = cache_kv[0].shape[1]
+    old = jnp.arange(s)[None, None, :] < pos_B[:, None, None]  # [B, 1, S]
+    mask = jnp.concatenate([jnp.broadcast_to(old, (pos_B.shape[0], 2, s)),
+                            jnp.broadcast_to(jnp.eye(2, dtype=bool), (pos_B.shape[0], 2, 2))], -1)
+    return (jnp.concatenate([cache_kv[0], k.astype(cache_kv[0].dtype)], 1),
+            jnp.concatenate([cache_kv[1], v.astype(cache_kv[1].dtype)], 1), mask[:, None])
+  return fn
 
 
-def _exits(cfg: ExitConfig, eps_B, i_B, act_B, s_new, s_old, logits_new, logits_old):
-  """Rows whose token stops at loop i_B: the KL check fires (decode_step's rule) or max."""
-  stop = act_B & (i_B >= _max_loops(cfg))
-  if cfg.policy == ExitPolicy.UNIFORM:
-    return stop
-  kl = losses.kl_from_logits(logits_new, logits_old)
-  fire = _is_check(cfg, i_B) & (kl < eps_B)
+def _coda(model: LoopedLM, st: State, x, kv_fn):
+  """Coda + head over x [B, Q, D] with per-block kv_fn(cache, fresh list): logits, fresh (k, v)."""
+  fresh = [[] for _ in st.cache.coda]
+  pos = jnp.broadcast_to(st.pos[:, None], x.shape[:2])
+  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(st.cache.coda, fresh)])
+  z = jnp.zeros((x.shape[0], 1) + kvs[0][0].shape[2:], kvs[0][0].dtype) if kvs else None
+  return model.logits(h), [f[0] if f else (z, z) for f in fresh]
+
+
+def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B):
+  """decode_step's paired check where a row may exit: (fires, ran, logits of loop i, coda kv)."""
+  want = act & _is_check(cfg, i)
   if cfg.policy == ExitPolicy.GATED_KL:
-    fire &= policies.relative_change(s_new, s_old)[:, 0] < cfg.gate
-  return stop | (act_B & fire)
+    want &= policies.relative_change(s_new, st.s)[:, 0] < cfg.gate
+  b = act.shape[0]
+  zk = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  skip = (jnp.full((b,), jnp.inf), jnp.zeros((b, model.cfg.vocab_size), jnp.float32),
+          [(zk, zk)] * model.cfg.n_coda)
+  if cfg.policy == ExitPolicy.UNIFORM:
+    return jnp.zeros_like(act), jnp.zeros_like(act), skip[1], skip[2]
+
+  def pair(_):
+    logits, kv = _coda(model, st, jnp.concatenate([st.s, s_new], 1),
+                       lambda c, f: _pair_kv(c, st.pos, f))
+    return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv
+  kl, logits, kv = lax.cond(jnp.any(want), pair, lambda _: skip, None)
+  return want & (kl < eps_B), want, logits, kv
+
+
+def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv):
+  """Rows in need_B (exits without a fresh check) read out their final state."""
+  def run(_):
+    out, fresh = _coda(model, st, s_new, lambda c, f: _row_kv(c, st.pos, need_B, f))
+    return out[:, 0], fresh
+  new_logits, new_kv = lax.cond(jnp.any(need_B), run, lambda _: (logits, kv), None)
+  keep = lambda n, o: jnp.where(need_B.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+  return keep(new_logits, logits), jax.tree.map(keep, new_kv, kv)
 
 
 def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
@@ -158,22 +187,23 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
   s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.e, st.pos[:, None], f),
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
-  read = i >= _max_loops(cfg)
-  if cfg.policy != ExitPolicy.UNIFORM:
-    read |= _is_check(cfg, i) | _is_check(cfg, i + 1)
-  logits, coda_new, n_read = _readout(model, st, s_new, act & read)
-  done = _exits(cfg, eps_B, i, act, s_new, st.s, logits, st.logits)
+  fire, ran, logits, kv = _check(model, cfg, st, s_new, act, i, eps_B)
+  done = fire | (act & (i >= _max_loops(cfg)))
+  logits, kv = _final(model, st, s_new, done & ~ran, logits, kv)
   rows = jnp.arange(act.shape[0])
-  coda = [_row_kv(c, st.pos, done, [])(*kv)[:2] for c, kv in zip(st.cache.coda, coda_new)]
+  coda = [_row_kv(c, st.pos, done, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
   b = jnp.int32(act.shape[0])
   c = st.counts
+  n_pair = jnp.any(ran).astype(jnp.int32) * 2 * b if cfg.policy != ExitPolicy.UNIFORM else 0
   counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
-                      readout_rows=c.readout_rows + n_read)
+                      readout_rows=c.readout_rows + n_pair
+                      + jnp.any(done & ~ran).astype(jnp.int32) * b)
   st = st._replace(cache=st.cache._replace(core=core, coda=coda), s=s_new, loop=i,
-                   n=st.n + done.astype(jnp.int32), logits=logits, coda_new=coda_new,
-                   depth=depth, counts=counts)
+                   n=st.n + done.astype(jnp.int32),
+                   logits=jnp.where(done[:, None], logits, st.logits), depth=depth,
+                   counts=counts)
   admit = done & (st.n < n_new)
   return lax.cond(jnp.any(admit),
                   lambda st: _admit(model, st, admit, st.pos + 1, rng, temperature),
@@ -220,11 +250,9 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
                                for ck, kv in zip(caches, kvs)]
   cache = inference.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
                           fill(cache.coda, res.coda_kv), hash_B)
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   zero = jnp.int32(0)
   st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
-             [(z, z) for _ in range(model.cfg.n_coda)],
              jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
              jnp.zeros((b, n_new), jnp.int32), Counts(zero, zero, zero, zero, zero, res.counts))
   st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature)
