@@ -108,10 +108,11 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
          'a1_lockstep': jax.jit(lambda p: inference.generate(mdl, p, n, a1_cfg, rng))}
   rows = {}
   for key, fn in fns.items():
-    sec = bench_util.time_fn(fn, (prompts,), _F.repeats)['median_s']
+    t = bench_util.time_fn(fn, (prompts,), _F.repeats)
     out = fn(prompts)
     depth = out.depth if key == 'a1_depthwise' else out[1]
-    rows[key] = _row(b * n, sec, depth, rows.get('a0'))
+    rows[key] = _row(b * n, t['median_s'], depth, rows.get('a0'))
+    rows[key]['min_s'] = t['min_s']
     if key == 'a1_depthwise':
       rows[key]['engine_steps'] = int(out.counts.steps)
       rows[key]['row_utilisation'] = int(out.counts.active_rows) / int(out.counts.core_rows)
