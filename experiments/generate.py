@@ -11,7 +11,7 @@ token, tagged with the row); --show_depths adds each token's loops as [d].
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from experiments import common
 
@@ -72,6 +72,7 @@ def main(argv):
   if len(argv) > 1:
     _fail(f'unexpected arguments {argv[1:]}')
   eps = _check_flags()
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   import dataclasses  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
