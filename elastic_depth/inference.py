@@ -373,6 +373,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     logits, new_kv = final_readout(None)
     counts = _counts(res)
   coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
+  # blocks without attention (model.attention=core) return no cache: keep theirs
+  pre_kv = [kv if kv[0].shape == c[0].shape else c for kv, c in zip(pre_kv, cache.prelude)]
   out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
   return out + (counts,) if with_counts else out
 
@@ -389,8 +391,7 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     x = jnp.concatenate([s_old, s_new], axis=1)  # [B, 2, D]: loop i-1 and loop i
     h, kvs = model.decode_state(x, pos_Bx2, [_pair_cached(kv, pos) for kv in cache.coda])
     logits = model.logits(h)
-    n = cache.coda[0][0].shape[1] if cache.coda else 0
-    kv_new = [(k[:, n + 1:n + 2], v[:, n + 1:n + 2]) for k, v in kvs]
+    kv_new = [(k[:, -1:], v[:, -1:]) for k, v in kvs]  # the loop-i query's (last) slot
     return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
 
   def check_fn(s_new, s_old, carry, i, active_Bx1):

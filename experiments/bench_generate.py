@@ -10,7 +10,11 @@ random-init model is used and exits are controlled through eps:
   a1_worst     KL check at every loop, never firing, capped at 8 loops;
   a1_eps       KL exit at an eps that gives the target mean loops on this model;
   a1_gated     the same eps, checks only where the relative state change < gate.
-Shapes come from `bench_util.MODEL_SHAPES`. The reference implementation's figures
+Shapes come from `bench_util.MODEL_SHAPES`.
+
+With --batch_sizes=1,8,32 the batched comparison runs instead (bench_generate_batch.py):
+A0 at uniform depth (inference.generate) against A1 through the depth-wise engine
+(serving.generate) and A1 in lockstep (inference.generate), per batch size. The reference implementation's figures
 (Huginn with KL exit, experiments/reference_figures.json) were measured elsewhere: the
 `vs_reference` ratio is indicative, not a side-by-side measurement.
 """
@@ -25,7 +29,7 @@ from absl import app, flags
 from flax import nnx
 
 from elastic_depth import config, inference, losses, model as model_lib
-from experiments import bench_util
+from experiments import bench_generate_batch, bench_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Shapes to run (bench_util.MODEL_SHAPES).')
 _NEW = flags.DEFINE_integer('new_tokens', 32, 'Tokens generated per timed call.')
@@ -114,6 +118,9 @@ def bench_shape(name: str) -> dict:
 
 def main(argv):
   del argv
+  if bench_generate_batch.requested():
+    bench_generate_batch.main(_calibrate)
+    return
   out = dict(backend=jax.default_backend(), devices=str(jax.devices()),
              loadavg=os.getloadavg(), date=time.strftime('%Y-%m-%d %H:%M'),
              new_tokens=_NEW.value, prompt_len=_PROMPT.value,

@@ -91,6 +91,25 @@ def test_bench_generate_writes_all_variants(tmp_path):
   assert res['parts']['loop_ms'] > 0 and res['parts']['pair_check_ms'] > 0
 
 
+def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
+  out = tmp_path / 'batch.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.bench_generate', '--batch_sizes=1,2',
+       '--serve_shape=nano', '--new_tokens=3', '--prompt_len=4', '--repeats=1', f'--out={out}'],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  doc = json.loads(out.read_text())
+  assert 'no quality' in doc['model'] and (tmp_path / 'batch.md').read_text().count('\n| ') == 3
+  for rows in doc['batches'].values():
+    a0, a1 = rows['a0'], rows['a1_depthwise']
+    assert a0['mean_loops'] == 8 and 1 <= a1['mean_loops'] <= 8
+    assert a1['loop_saving'] == pytest.approx(1 - a1['mean_loops'] / 8)
+    assert a1['time_saving'] == pytest.approx(1 - a1['seconds'] / a0['seconds'])
+    assert 0 < a1['row_utilisation'] <= 1
+  # the depth-wise and lockstep engines run the same tokens to the same depths
+  assert rows['a1_lockstep']['mean_loops'] == a1['mean_loops']
+
+
 def test_reference_figures_say_where_they_come_from_and_match_our_shapes():
   with open(bench_util.REFERENCE_FILE, encoding='utf-8') as f:
     doc = json.load(f)

@@ -3,12 +3,16 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from elastic_depth import calibrate, checkpoint, config as config_lib, train
+from elastic_depth import calibrate, checkpoint, config as config_lib, inference, train
+from elastic_depth.data import synthetic
 from elastic_depth import router as router_lib
 from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
 
@@ -188,3 +192,22 @@ def test_bench_exit_on_a_checkpoint_matches_quality_then_times(workdir, tmp_path
   assert q['loss'] <= q['a0_loss'] + 0.01 and q['mean_loops'] <= r['depth']
   assert r['eps'] == q['eps'] and r['fake_exit_fraction'] == 0.0
   assert r['tokens'] >= 32 and 'matched within' in (tmp_path / 'exit.md').read_text()
+
+
+def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
+  """experiments.generate prints inference.generate's greedy tokens with their depths."""
+  cmd = [sys.executable, '-m', 'experiments.generate', f'--workdir={workdir}',
+         '--prompt=? 3 1 4 =', '--max_new_tokens=4', '--eps=1e-3', '--show_depths']
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  pieces = re.findall(r'(\S+)\[(\d+)\]', out.stdout.splitlines()[0])
+  cfg, mdl, _, _ = common.load_model(workdir)
+  vocab = synthetic.SyntheticVocab(cfg.data.synth_num_vars)
+  prompt = jnp.asarray(vocab.encode_batch(['? 3 1 4 ='])[0][None])
+  ecfg = config_lib.ExitConfig(policy='kl', eps=1e-3, max_loops=cfg.depth.r_max)
+  toks, depth = inference.generate(mdl, prompt, 4, ecfg, jax.random.key(0))
+  assert [p[0] for p in pieces] == [vocab.id_to_token(t) for t in toks[0, 5:]]
+  assert [int(p[1]) for p in pieces] == [int(d) for d in depth[0]]
+  bad = subprocess.run(cmd[:5] + ['--max_new_tokens=0'], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert bad.returncode == 2 and bad.stderr.startswith('error: --max_new_tokens')

@@ -1,0 +1,280 @@
+"""Depth-wise batched generation: rows do not wait for the slowest row's depth.
+
+`inference.generate` decodes a batch in lockstep: every token of every row runs until
+the batch's deepest token exits. Here each engine step runs ONE core loop over every
+row's in-flight token. A row whose token exits (its KL check fires, or it reaches
+max_loops) reads out its logits, picks its next token, runs the prelude on it and
+starts that token's loop 1 at the next step, while the other rows keep looping on
+their own tokens; a row that has produced its n_new tokens is idle. Rows therefore
+sit at different positions: per-row positions, cache writes and attention masks. The
+core runs over all B rows at every step (idle rows masked): there is no compaction.
+
+Per row the semantics are exactly `inference.generate`'s (cached semantics, the same
+initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
+tokens and depths do not depend on the other rows. Each row may carry its own eps
+(a quality tier per request). The check is decode_step's: where a row may exit (a check
+loop, and for gated_kl a state change below the gate) the coda and head read the
+loop-(i-1) and loop-i states in one pass, and a firing check's logits are the token's
+output; a token that stops at max_loops without a check at that loop gets a final
+readout. Both passes run batched over all B rows at a step where any row needs them;
+the Counts below record what executed.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from elastic_depth import inference, losses, policies
+from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth.model import LoopedLM
+
+_POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL)
+
+
+class Counts(NamedTuple):
+  """Work the engine executed (row passes: rows of the batch a pass ran over)."""
+  steps: jax.Array         # engine steps (one core loop each), int32 []
+  core_rows: jax.Array     # core loops x rows executed (all B rows every step), int32 []
+  active_rows: jax.Array   # of which rows with a token in flight (= sum of depths), int32 []
+  readout_rows: jax.Array  # coda + head readouts x rows (all B rows at a readout step)
+  prelude_rows: jax.Array  # prelude passes x rows (all B rows at an admission step)
+  prefill: Any = None      # inference.Counts of the prompt's parallel prefill
+
+
+class Generation(NamedTuple):
+  """Output of `generate`."""
+  tokens: jax.Array        # [B, P + n_new]: row b's prompt, then its n_new tokens at p_b..
+  depth: jax.Array         # [B, n_new] loops per generated token
+  prompt_depth: jax.Array  # [B, P] prefill depths (padding included)
+  counts: Counts
+
+
+class State(NamedTuple):
+  """The while_loop carry: the cache and each row's in-flight token."""
+  cache: inference.Cache
+  s: jax.Array             # [B, 1, D] state of the in-flight token
+  e: jax.Array             # [B, 1, D] its prelude output
+  pos: jax.Array           # [B] its position
+  loop: jax.Array          # [B] loops it has run
+  n: jax.Array             # [B] tokens exited so far (generated and decoded)
+  logits: jax.Array        # [B, V] output of each row's last exited token
+  tokens: jax.Array        # [B, T]
+  depth: jax.Array         # [B, n_new]
+  counts: Counts
+
+
+def _row_kv(cache_kv, pos_B, write_B, fresh: list):
+  """kv_fn: row b writes its (k, v) at pos_B[b] (where write_B) and attends to <= pos_B[b]."""
+  def fn(k, v):
+    fresh.append((k, v))
+    rows = jnp.arange(k.shape[0])
+    s = cache_kv[0].shape[1]
+    idx = jnp.where(write_B, pos_B, s)  # out of range: dropped
+    put = lambda c, x: c.at[rows, idx].set(x[:, 0].astype(c.dtype), mode='drop')
+    mask = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, None, :]
+    return put(cache_kv[0], k), put(cache_kv[1], v), mask
+  return fn
+
+
+def _run_cached(call, caches, pos_B, write_B):
+  """call(kv_fns) -> (x, kvs) over per-row caches: (x, new caches, fresh (k, v) or None)."""
+  fresh = [[] for _ in caches]
+  x, kvs = call([_row_kv(c, pos_B, write_B, f) for c, f in zip(caches, fresh)])
+  new = [kv if f else c for kv, c, f in zip(kvs, caches, fresh)]  # blocks without attention
+  return x, new, [f[0] if f else None for f in fresh]
+
+
+def _pick(logits_BxV, pos_B, rng, temperature: float):
+  """Each row's token at pos_B; sampling keys as inference.generate's (per position)."""
+  if temperature <= 0:
+    return jnp.argmax(logits_BxV, -1).astype(jnp.int32)
+  keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
+  draw = lambda k, x: jax.random.categorical(k, x[None] / temperature)[0]
+  return jax.vmap(draw)(keys, logits_BxV).astype(jnp.int32)
+
+
+def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float) -> State:
+  """Rows in mask_B pick their token at pos_B from st.logits and start it at loop 0."""
+  tok_B = _pick(st.logits, pos_B, rng, temperature)
+  pos_Bx1 = pos_B[:, None]
+  cache = st.cache
+  e, pre, _ = _run_cached(lambda f: model.encode(tok_B[:, None], pos_Bx1, f), cache.prelude,
+                          pos_B, mask_B)
+  s0 = model.initial_state(e, rng, pos_Bx1)
+  m = mask_B[:, None, None]
+  rows = jnp.arange(tok_B.shape[0])
+  tokens = st.tokens.at[rows, jnp.where(mask_B, pos_B, st.tokens.shape[1])].set(
+      tok_B, mode='drop')
+  b = jnp.int32(tok_B.shape[0])
+  counts = st.counts._replace(prelude_rows=st.counts.prelude_rows + b)
+  return st._replace(cache=cache._replace(prelude=pre),
+                     s=jnp.where(m, s0, st.s), e=jnp.where(m, e, st.e),
+                     pos=jnp.where(mask_B, pos_B, st.pos),
+                     loop=jnp.where(mask_B, 0, st.loop), tokens=tokens, counts=counts)
+
+
+def _is_check(cfg: ExitConfig, i):
+  """Loops whose KL check decoding consults (as in inference._gated_kl_check)."""
+  return (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
+
+
+def _max_loops(cfg: ExitConfig) -> int:
+  return cfg.depth if cfg.policy == ExitPolicy.UNIFORM else cfg.max_loops
+
+
+def _pair_kv(cache_kv, pos_B, fresh: list):
+  """kv_fn for the loop-(i-1) and loop-i queries of each row over its cache (< pos_B) and them."""
+  def fn(k, v):  # [B, 2, G, K]
+    fresh.append((k[:, -1:], v[:, -1:]))  # the loop-i state's keys/values
+    s = cache_kv[0].shape[1]
+    old = jnp.arange(s)[None, None, :] < pos_B[:, None, None]  # [B, 1, S]
+    mask = jnp.concatenate([jnp.broadcast_to(old, (pos_B.shape[0], 2, s)),
+                            jnp.broadcast_to(jnp.eye(2, dtype=bool), (pos_B.shape[0], 2, 2))], -1)
+    return (jnp.concatenate([cache_kv[0], k.astype(cache_kv[0].dtype)], 1),
+            jnp.concatenate([cache_kv[1], v.astype(cache_kv[1].dtype)], 1), mask[:, None])
+  return fn
+
+
+def _coda(model: LoopedLM, st: State, x, kv_fn):
+  """Coda + head over x [B, Q, D] with per-block kv_fn(cache, fresh list): logits, fresh (k, v)."""
+  fresh = [[] for _ in st.cache.coda]
+  pos = jnp.broadcast_to(st.pos[:, None], x.shape[:2])
+  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(st.cache.coda, fresh)])
+  z = jnp.zeros((x.shape[0], 1) + kvs[0][0].shape[2:], kvs[0][0].dtype) if kvs else None
+  return model.logits(h), [f[0] if f else (z, z) for f in fresh]
+
+
+def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B):
+  """decode_step's paired check where a row may exit: (fires, ran, logits of loop i, coda kv)."""
+  want = act & _is_check(cfg, i)
+  if cfg.policy == ExitPolicy.GATED_KL:
+    want &= policies.relative_change(s_new, st.s)[:, 0] < cfg.gate
+  b = act.shape[0]
+  zk = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  skip = (jnp.full((b,), jnp.inf), jnp.zeros((b, model.cfg.vocab_size), jnp.float32),
+          [(zk, zk)] * model.cfg.n_coda)
+  if cfg.policy == ExitPolicy.UNIFORM:
+    return jnp.zeros_like(act), jnp.zeros_like(act), skip[1], skip[2]
+
+  def pair(_):
+    logits, kv = _coda(model, st, jnp.concatenate([st.s, s_new], 1),
+                       lambda c, f: _pair_kv(c, st.pos, f))
+    return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv
+  kl, logits, kv = lax.cond(jnp.any(want), pair, lambda _: skip, None)
+  return want & (kl < eps_B), want, logits, kv
+
+
+def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv):
+  """Rows in need_B (exits without a fresh check) read out their final state."""
+  def run(_):
+    out, fresh = _coda(model, st, s_new, lambda c, f: _row_kv(c, st.pos, need_B, f))
+    return out[:, 0], fresh
+  new_logits, new_kv = lax.cond(jnp.any(need_B), run, lambda _: (logits, kv), None)
+  keep = lambda n, o: jnp.where(need_B.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+  return keep(new_logits, logits), jax.tree.map(keep, new_kv, kv)
+
+
+def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
+          st: State) -> State:
+  """One engine step: a core loop for every in-flight token, exits, admissions."""
+  n_new = st.depth.shape[1]
+  act = st.n < n_new
+  i = st.loop + act.astype(jnp.int32)
+  s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.e, st.pos[:, None], f),
+                               st.cache.core, st.pos, act)
+  s_new = jnp.where(act[:, None, None], s_new, st.s)
+  fire, ran, logits, kv = _check(model, cfg, st, s_new, act, i, eps_B)
+  done = fire | (act & (i >= _max_loops(cfg)))
+  logits, kv = _final(model, st, s_new, done & ~ran, logits, kv)
+  rows = jnp.arange(act.shape[0])
+  coda = [_row_kv(c, st.pos, done, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
+  depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
+  b = jnp.int32(act.shape[0])
+  c = st.counts
+  n_pair = jnp.any(ran).astype(jnp.int32) * 2 * b if cfg.policy != ExitPolicy.UNIFORM else 0
+  counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
+                      active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
+                      readout_rows=c.readout_rows + n_pair
+                      + jnp.any(done & ~ran).astype(jnp.int32) * b)
+  st = st._replace(cache=st.cache._replace(core=core, coda=coda), s=s_new, loop=i,
+                   n=st.n + done.astype(jnp.int32),
+                   logits=jnp.where(done[:, None], logits, st.logits), depth=depth,
+                   counts=counts)
+  admit = done & (st.n < n_new)
+  return lax.cond(jnp.any(admit),
+                  lambda st: _admit(model, st, admit, st.pos + 1, rng, temperature),
+                  lambda st: st, st)
+
+
+def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
+  if ExitPolicy(cfg.policy) not in _POLICIES:
+    raise ValueError(f'error: serving supports policies {[p.value for p in _POLICIES]}, '
+                     f'not {cfg.policy!r}')
+  if n_new < 1:
+    raise ValueError(f'error: n_new must be >= 1, got {n_new}')
+  if eps_B is not None and tuple(jnp.shape(eps_B)) != (batch,):
+    raise ValueError(f'error: eps_B must have shape ({batch},), got {jnp.shape(eps_B)}')
+
+
+def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
+          eps_B=None, prompt_len_B=None, temperature: float = 0.0) -> State:
+  """Prefills the prompts (parallel semantics, per-row eps) and admits each row's first token.
+
+  Args:
+    model: the frozen LM.
+    prompt_BxP: int32 prompts, right-padded when prompt_len_B is given.
+    n_new: tokens to generate per row.
+    cfg: exit policy (uniform, kl or gated_kl), min/max loops, check_every, gate.
+    rng: key of the initial recurrent states (and of sampling).
+    eps_B: per-row KL thresholds (default cfg.eps for every row).
+    prompt_len_B: per-row prompt lengths (default P).
+    temperature: 0 for greedy; else sampling with inference.generate's per-position keys.
+  Returns:
+    (State with each row's first token admitted, prompt depths [B, P], eps_B); `run`
+    advances the State.
+  """
+  b, p = prompt_BxP.shape
+  _check_args(cfg, b, n_new, eps_B)
+  eps_B = jnp.full((b,), cfg.eps, jnp.float32) if eps_B is None else jnp.asarray(eps_B)
+  plen_B = jnp.full((b,), p, jnp.int32) if prompt_len_B is None else jnp.asarray(prompt_len_B)
+  pcfg = dataclasses.replace(cfg, eps=eps_B[:, None])  # policies compare kl < eps per row
+  res = inference.score(model, prompt_BxP, pcfg, rng)
+  cache = inference.init_cache(model, b, p + n_new)
+  rows = jnp.arange(b)
+  fill = lambda caches, kvs: [tuple(c.at[:, :p].set(x.astype(c.dtype)) for c, x in zip(ck, kv))
+                               for ck, kv in zip(caches, kvs)]
+  cache = inference.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
+                          fill(cache.coda, res.coda_kv))
+  zero = jnp.int32(0)
+  st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
+             jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
+             jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
+             jnp.zeros((b, n_new), jnp.int32), Counts(zero, zero, zero, zero, zero, res.counts))
+  st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature)
+  return st, res.depth, eps_B
+
+
+def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
+        temperature: float = 0.0) -> State:
+  """Engine steps until every row has produced `until` tokens (default: all n_new)."""
+  n_new = st.depth.shape[1]
+  until = n_new if until is None else until
+  cond = lambda st: jnp.any(st.n < jnp.minimum(until, n_new))
+  return lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, rng, temperature, st), st)
+
+
+def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
+             eps_B=None, prompt_len_B=None, temperature: float = 0.0) -> Generation:
+  """Depth-wise batched generation; per row equal to inference.generate with its eps.
+
+  Args: as `start`.
+  Returns:
+    Generation (tokens, per-token depths, prompt depths, executed Counts).
+  """
+  st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
+                            prompt_len_B=prompt_len_B, temperature=temperature)
+  st = run(model, st, cfg, rng, eps_B, temperature=temperature)
+  return Generation(st.tokens, st.depth, pdepth, st.counts)

@@ -1,0 +1,162 @@
+"""bench_generate --batch_sizes: depth-wise batched generation (A1) against uniform depth (A0).
+
+  python -m experiments.bench_generate --batch_sizes=1,8,32 --workdir=runs/tiny
+  python -m experiments.bench_generate --batch_sizes=1,8,32    # random init: no quality
+
+Per batch size, on the same prompts and in one process: A0 at uniform depth
+(inference.generate, lockstep: nothing to wait for), A1 through serving.generate (each
+row exits per token on its own) and A1 in lockstep (inference.generate: every token runs
+to the batch's deepest). Reported: tokens/s, mean loops, the loop saving
+1 - loops(A1) / loops(A0), the realized time saving 1 - t(A1) / t(A0) and their ratio.
+With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forced loss in
+cached semantics (analysis.cached_outputs, the semantics generation runs in) is within
+--quality_tol nats of A0's on the validation batches; both losses are reported. Without
+a workdir a random-init shape gives throughput only, labelled "no quality".
+"""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags, logging
+from flax import nnx
+
+from elastic_depth import analysis, config, inference, model as model_lib, serving
+from elastic_depth.config import ExitPolicy
+from experiments import bench_util, common
+
+_BATCHES = flags.DEFINE_list('batch_sizes', [], 'Batch sizes of the depth-wise comparison '
+                             '(e.g. 1,8,32; empty: the batch-1 shape benchmark).')
+_EPS_GRID = flags.DEFINE_list('eps_grid', ['1e-1', '3e-2', '1e-2', '3e-3', '1e-3', '3e-4',
+                                           '1e-4', '3e-5', '1e-5'], 'A1 eps candidates.')
+_TOL = flags.DEFINE_float('quality_tol', 0.01, 'Matched quality: A1 loss <= A0 loss + this.')
+_SHAPE = flags.DEFINE_string('serve_shape', 'S', 'Random-init shape without --workdir.')
+_F = flags.FLAGS
+
+
+def requested() -> bool:
+  return bool(_BATCHES.value)
+
+
+def _masked_loss(nll, mask) -> float:
+  return float(np.sum(np.asarray(nll) * mask) / max(np.sum(mask), 1.0))
+
+
+def _cached_loss(mdl, batches, rng, policy, eps, r_max) -> float:
+  """Mean answer-masked loss over batches, cached semantics."""
+  run = jax.jit(lambda i, t, e: analysis.cached_outputs(
+      mdl, i, t, rng, e, None, policy=policy, min_loops=1, r_max=r_max)[0])
+  tot, n = 0.0, 0.0
+  for b in batches:
+    m = np.asarray(b['mask'], np.float64)
+    tot += _masked_loss(run(b['inputs'], b['targets'], jnp.float32(eps)), m) * m.sum()
+    n += m.sum()
+  return tot / max(n, 1.0)
+
+
+def _matched(mdl, batches, rng, a0_depth: int, r_max: int) -> dict:
+  """A0's cached loss and the most aggressive eps within --quality_tol of it."""
+  a0 = _cached_loss(mdl, batches, rng, ExitPolicy.UNIFORM, 0.0, a0_depth)
+  tried = {}
+  for eps in sorted((float(e) for e in _EPS_GRID.value), reverse=True):
+    tried[eps] = _cached_loss(mdl, batches, rng, ExitPolicy.KL, eps, r_max)
+    print(f'quality: eps {eps:.0e} loss {tried[eps]:.4f} (A0 {a0:.4f})', flush=True)
+    if tried[eps] <= a0 + _TOL.value:
+      return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=True, tried=tried)
+  eps = min(tried)
+  return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=False, tried=tried)
+
+
+def _setup(calibrate):
+  """(model, prompt source [N, P], A0 depth, A1 max loops, quality dict, label)."""
+  p = _F.prompt_len
+  if _F.workdir:
+    loaded = common.load(common.options_from_flags())
+    mdl = loaded.model
+    a0_depth, r_max = int(round(loaded.cfg.depth.mean)), loaded.r_max
+    rng = jax.random.key(_F.seed)
+    q = _matched(mdl, loaded.batches, rng, a0_depth, r_max)
+    pool = np.concatenate([np.asarray(b['inputs'])[:, :p] for b in loaded.data.val_batches()])
+    return mdl, pool, a0_depth, r_max, q, f'{_F.workdir} step {loaded.step}'
+  mcfg = config.ModelConfig(max_len=p + _F.new_tokens + 8, **bench_util.MODEL_SHAPES[_SHAPE.value])
+  mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(0))
+  pool = np.asarray(jax.random.randint(jax.random.key(1), (64, p), 0, mcfg.vocab_size))
+  eps, _ = calibrate(mdl, jnp.asarray(pool[:1]), _F.target_loops)
+  return mdl, pool, 8, 8, dict(eps=eps, matched=None), f'random init {_SHAPE.value}: no quality'
+
+
+def _row(n_tok: int, sec: float, depth, a0=None) -> dict:
+  r = dict(seconds=sec, tokens_per_s=n_tok / sec, mean_loops=float(np.mean(depth)))
+  if a0 is not None:
+    r['loop_saving'] = 1 - r['mean_loops'] / a0['mean_loops']
+    r['time_saving'] = 1 - sec / a0['seconds']
+    r['realized_over_loop'] = (r['time_saving'] / r['loop_saving'] if r['loop_saving'] > 0
+                               else None)
+  return r
+
+
+def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
+  """A0, A1 depth-wise and A1 lockstep at batch b (times: medians)."""
+  n, rng = _F.new_tokens, jax.random.key(_F.seed)
+  prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
+  a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
+  a1_cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=r_max)
+  fns = {'a0': jax.jit(lambda p: inference.generate(mdl, p, n, a0_cfg, rng)),
+         'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
+         'a1_lockstep': jax.jit(lambda p: inference.generate(mdl, p, n, a1_cfg, rng))}
+  rows = {}
+  for key, fn in fns.items():
+    t = bench_util.time_fn(fn, (prompts,), _F.repeats)
+    out = fn(prompts)
+    depth = out.depth if key == 'a1_depthwise' else out[1]
+    rows[key] = _row(b * n, t['median_s'], depth, rows.get('a0'))
+    rows[key]['min_s'] = t['min_s']
+    if key == 'a1_depthwise':
+      rows[key]['engine_steps'] = int(out.counts.steps)
+      rows[key]['row_utilisation'] = int(out.counts.active_rows) / int(out.counts.core_rows)
+    print(f'B={b:3d} {key:13s} {rows[key]["tokens_per_s"]:9.1f} tok/s  loops '
+          f'{rows[key]["mean_loops"]:.2f}', flush=True)
+  return rows
+
+
+def _markdown(doc: dict) -> str:
+  q = doc['quality']
+  lines = [f'# bench_generate --batch_sizes ({doc["date"]}, {doc["model"]})', '',
+           f'machine: {doc["machine"]}; load average {doc["loadavg"]}', '',
+           (f'quality (cached semantics, val): A0 {q["a0_loss"]:.4f}, A1 {q["a1_loss"]:.4f} at '
+            f'eps {q["eps"]:.0e} (matched: {q["matched"]})' if 'a0_loss' in q
+            else f'no quality (random init), eps {q["eps"]:.2e}'), '',
+           '| B | A0 tok/s | A1 depth-wise tok/s | A1 lockstep tok/s | loops A0 / A1 | '
+           'loop saving | time saving | realized / loop |', '|' + '---|' * 8]
+  for b, r in doc['batches'].items():
+    a0, a1, ls = r['a0'], r['a1_depthwise'], r['a1_lockstep']
+    ratio = a1['realized_over_loop']
+    lines.append(f'| {b} | {a0["tokens_per_s"]:.0f} | {a1["tokens_per_s"]:.0f} | '
+                 f'{ls["tokens_per_s"]:.0f} | {a0["mean_loops"]:.2f} / {a1["mean_loops"]:.2f} | '
+                 f'{a1["loop_saving"]:.1%} | {a1["time_saving"]:.1%} | '
+                 f'{"-" if ratio is None else f"{ratio:.2f}"} |')
+  return '\n'.join(lines) + '\n'
+
+
+def main(calibrate) -> None:
+  """Runs every batch size and writes JSON + markdown (calibrate: eps for a target depth)."""
+  try:
+    sizes = [int(x) for x in _BATCHES.value]
+  except ValueError:
+    raise SystemExit(f'error: --batch_sizes must be integers, got {_BATCHES.value}') from None
+  if any(x < 1 for x in sizes):
+    raise SystemExit(f'error: --batch_sizes must be >= 1, got {sizes}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  mdl, pool, a0_depth, r_max, q, label = _setup(calibrate)
+  doc = dict(date=time.strftime('%Y-%m-%d %H:%M'), model=label, quality=q,
+             machine=f'{jax.default_backend()} {os.cpu_count()} cores', loadavg=os.getloadavg(),
+             new_tokens=_F.new_tokens, prompt_len=_F.prompt_len, a0_depth=a0_depth, r_max=r_max,
+             batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps']) for b in sizes})
+  doc['loadavg_end'] = os.getloadavg()
+  out = _F.out if _F.out != 'runs/bench_generate.json' else 'runs/bench_generate_batch.json'
+  bench_util.write_json(out, doc)
+  with open(out[:-len('.json')] + '.md', 'w', encoding='utf-8') as f:
+    f.write(_markdown(doc))
+  print(_markdown(doc) + f'wrote {out}')

@@ -1,0 +1,127 @@
+"""Generates text from a trained workdir with per-token early exit, streaming tokens.
+
+  python -m experiments.generate --workdir=runs/tiny --prompt="? 3 1 4 a b =" --show_depths
+  python -m experiments.generate --workdir=DIR --prompt=A --prompt=B --eps=1e-3,1e-2
+
+Each --prompt is one row of a batch run by the depth-wise engine (elastic_depth.serving):
+every row exits per token on its own, with its own eps (one value, or one per prompt).
+Tokens are printed as they are produced (one prompt: the text; several: one line per
+token, tagged with the row); --show_depths adds each token's loops as [d].
+"""
+
+import sys
+
+from absl import app, flags, logging
+
+from experiments import common
+
+_PROMPT = flags.DEFINE_multi_string('prompt', [], 'Prompt text (repeat for a batch).')
+_EPS = flags.DEFINE_list('eps', [], 'KL exit threshold: one, or one per prompt '
+                         '(default: the checkpoint config exit.eps).')
+_NEW = flags.DEFINE_integer('max_new_tokens', 32, 'Tokens generated per prompt.')
+_MAX_LOOPS = flags.DEFINE_integer('max_loops', 0, 'Loop cap (0: the training r_max).')
+_TEMP = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature (0: greedy).')
+_SHOW = flags.DEFINE_bool('show_depths', False, 'Print each token\'s loops as [d].')
+
+
+def _fail(msg: str):
+  print(f'error: {msg}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _check_flags() -> list:
+  """Validates the flags before anything is loaded; returns the eps list (maybe empty)."""
+  if not flags.FLAGS.workdir:
+    _fail('--workdir is required (a directory trained by experiments.pretrain)')
+  if not _PROMPT.value or not all(p.strip() for p in _PROMPT.value):
+    _fail('--prompt is required and may not be empty')
+  if _NEW.value < 1:
+    _fail(f'--max_new_tokens must be >= 1, got {_NEW.value}')
+  if _MAX_LOOPS.value < 0 or _TEMP.value < 0:
+    _fail('--max_loops and --temperature must be >= 0')
+  try:
+    eps = [float(e) for e in _EPS.value]
+  except ValueError:
+    _fail(f'--eps must be numbers, got {_EPS.value}')
+  if any(e < 0 for e in eps) or len(eps) not in (0, 1, len(_PROMPT.value)):
+    _fail(f'--eps needs one value >= 0 or one per prompt ({len(_PROMPT.value)}), got {eps}')
+  return eps
+
+
+def _encode(tok, prompts: list, max_len: int):
+  """Right-padded int32 prompts and their lengths; errors name the bad prompt."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
+  try:
+    ids = tok.encode_batch(prompts)
+  except data_lib.DataError as e:
+    _fail(f'cannot tokenize the prompt: {e}')
+  for p, x in zip(prompts, ids):
+    if len(x) == 0:
+      _fail(f'prompt {p!r} has no tokens')
+    if len(x) + _NEW.value > max_len:
+      _fail(f'prompt {p!r} ({len(x)} tokens) + --max_new_tokens={_NEW.value} exceeds the '
+            f'model\'s max_len {max_len}')
+  out = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
+  for b, x in enumerate(ids):
+    out[b, :len(x)] = x
+  return out, np.asarray([len(x) for x in ids], np.int32)
+
+
+def main(argv):
+  if len(argv) > 1:
+    _fail(f'unexpected arguments {argv[1:]}')
+  eps = _check_flags()
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from elastic_depth import checkpoint, data as data_lib, serving  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = common.load_config(flags.FLAGS.workdir)
+    tok = _tokenizer(cfg)
+    prompt_np, plen = _encode(tok, _PROMPT.value, cfg.model.max_len)
+    cfg, mdl, _, _ = common.load_model(flags.FLAGS.workdir, flags.FLAGS.step)
+  except (common.SetupError, checkpoint.CheckpointError, data_lib.DataError) as e:
+    _fail(str(e))
+  b, n = len(plen), _NEW.value
+  ecfg = dataclasses.replace(cfg.exit, policy='kl', max_loops=_MAX_LOOPS.value or cfg.depth.r_max)
+  eps_B = np.asarray(eps * (b // len(eps)) if eps else [ecfg.eps] * b, np.float32)
+  rng = jax.random.key(flags.FLAGS.seed)
+  t = _TEMP.value
+  st, _, eps_B = jax.jit(lambda p, e, l: serving.start(
+      mdl, p, n, ecfg, rng, eps_B=e, prompt_len_B=l, temperature=t))(prompt_np, eps_B, plen)
+  step = jax.jit(lambda st, k: serving.run(mdl, st, ecfg, rng, eps_B, until=k, temperature=t))
+  _stream(step, st, tok, plen, n)
+
+
+def _tokenizer(cfg):
+  """The model's tokenizer (synthetic vocabulary or the workdir's), without building data."""
+  from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
+  data_cfg, workdir = common.resolve_data(cfg, flags.FLAGS.workdir, {})
+  ds = data_lib.build(data_cfg, seq_len=8, batch_size=1, vocab_size=cfg.model.vocab_size,
+                      workdir=workdir)
+  return ds.tokenizer
+
+
+def _stream(step, st, tok, plen, n: int) -> None:
+  """Runs the engine one token per row at a time and prints each token as it is known."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  b = len(plen)
+  for k in range(1, n + 1):
+    st = step(st, k)
+    toks, depth = np.asarray(st.tokens), np.asarray(st.depth)
+    for row in range(b):
+      piece = tok.decode([toks[row, plen[row] + k - 1]])
+      d = f'[{depth[row, k - 1]}]' if _SHOW.value else ''
+      if b == 1:
+        print(piece + d, end=' ', flush=True)
+      else:
+        print(f'{row}: {piece}{d}', flush=True)
+  depth = np.asarray(st.depth)
+  print(f'\nmean loops {depth.mean():.2f} over {depth.size} tokens; engine steps '
+        f'{int(st.counts.steps)}; rows {b}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,119 @@
+"""Depth-wise batched generation against per-row inference.generate and a brute-force schedule."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import config, inference, model as model_lib, serving
+
+R, N = 8, 5  # max loops, new tokens per row
+PROMPTS = [[3, 17, 5, 9], [40, 2, 31, 0], [1, 2, 3, 4]]  # row 1 has 3 tokens + padding
+PLEN = [4, 3, 4]
+
+
+def tiny_cfg():  # init_state random (the default of every config)
+  return config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
+                            head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
+                            max_len=64, init_std=0.1)
+
+
+def _eps_between(kls):
+  """Two thresholds from a uniform-depth trace (loops >= 2), far in log space from every KL."""
+  v = np.sort(np.log(np.concatenate([k.ravel() for k in kls[1:]])))
+  gaps = np.diff(v)
+  lo, hi = len(v) // 5, 4 * len(v) // 5
+
+  def pick(a, b):
+    j = a + int(np.argmax(gaps[a:b]))
+    return float(np.exp(0.5 * (v[j] + v[j + 1])))
+  return pick(lo, len(v) // 2), pick(len(v) // 2, hi)
+
+
+@pytest.fixture(scope='module')
+def setup():
+  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  prompts = jnp.asarray(PROMPTS, jnp.int32)
+  tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
+  eps_lo, eps_hi = _eps_between(list(np.asarray(tr['kl'])))
+  cfg = config.ExitConfig(policy='kl', eps=eps_hi, max_loops=R, min_loops=2)
+  eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
+  out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
+                                                  prompt_len_B=n))(
+      prompts, eps_B, jnp.asarray(PLEN, jnp.int32))
+  return mdl, rng, cfg, eps_B, out
+
+
+def _alone(mdl, cfg, rng):
+  """inference.generate of one row (eps traced: one compilation per prompt length)."""
+  return jax.jit(lambda p, eps: inference.generate(
+      mdl, p, N, dataclasses.replace(cfg, eps=eps), rng))
+
+
+def test_rows_equal_their_own_generation_with_their_eps(setup):
+  mdl, rng, cfg, eps_B, out = setup
+  gen = _alone(mdl, cfg, rng)
+  depth = np.asarray(out.depth)
+  assert len(np.unique(depth)) > 2 and np.any(depth[0] != depth[2])  # ragged exits
+  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
+    toks, d = gen(jnp.asarray([p[:n]], jnp.int32), eps_B[b])
+    np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
+    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(toks[0]))
+  # the two quality tiers differ: the lower eps runs deeper on the same prompt
+  _, d_lo = gen(jnp.asarray([PROMPTS[0]], jnp.int32), eps_B[1])
+  assert np.mean(np.asarray(d_lo)) > np.mean(depth[0])
+
+
+def _schedule(depth_BxN):
+  """Brute-force engine timeline: per step, the loop each row runs (0: idle)."""
+  rows = [[i for d in ds for i in range(1, d + 1)] for ds in depth_BxN.tolist()]
+  steps = max(len(r) for r in rows)
+  loops = [[r[t] if t < len(r) else 0 for r in rows] for t in range(steps)]
+  ends = [set(np.cumsum(ds)[:-1].tolist()) for ds in depth_BxN.tolist()]
+  return steps, loops, ends
+
+
+def test_counts_equal_the_brute_force_schedule(setup):
+  _, _, cfg, _, out = setup
+  depth = np.asarray(out.depth)
+  b = depth.shape[0]
+  first = max(cfg.min_loops, 2)
+  is_check = lambda i: i >= first and (i - cfg.min_loops) % cfg.check_every == 0
+  steps, loops, ends = _schedule(depth)
+  pairs = sum(any(i > 0 and is_check(i) for i in ls) for ls in loops)  # kl: no gate
+  finals = sum(any(i >= R and not is_check(i) for i in ls) for ls in loops)
+  admits = 1 + len(set().union(*ends))  # the first tokens, then steps where a row moves on
+  c = out.counts
+  assert int(c.steps) == steps
+  assert int(c.core_rows) == b * steps
+  assert int(c.active_rows) == depth.sum()
+  assert int(c.readout_rows) == 2 * b * pairs + b * finals  # a paired check reads 2 states
+  assert int(c.prelude_rows) == b * admits
+
+
+def test_uniform_equals_lockstep_generation():
+  """A0; with attention in the core only (prelude and coda blocks keep no cache)."""
+  mdl = model_lib.LoopedLM(dataclasses.replace(tiny_cfg(), attention='core'), nnx.Rngs(2))
+  rng = jax.random.key(1)
+  cfg = config.ExitConfig(policy='uniform', depth=3)
+  prompts = jnp.asarray(PROMPTS, jnp.int32)
+  out = jax.jit(lambda p: serving.generate(mdl, p, N, cfg, rng))(prompts)
+  toks, depth = jax.jit(lambda p: inference.generate(mdl, p, N, cfg, rng))(prompts)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(toks))
+  np.testing.assert_array_equal(np.asarray(out.depth), np.asarray(depth))
+  assert int(out.counts.steps) == 3 * N
+  assert int(out.counts.readout_rows) == N * len(PROMPTS)  # one readout per token
+
+
+def test_bad_input_is_one_error_line(setup):
+  mdl, rng, _, _, _ = setup
+  p = jnp.asarray(PROMPTS, jnp.int32)
+  with pytest.raises(ValueError, match='error: serving supports'):
+    serving.generate(mdl, p, N, config.ExitConfig(policy='router'), rng)
+  with pytest.raises(ValueError, match='error: eps_B'):
+    serving.generate(mdl, p, N, config.ExitConfig(), rng, eps_B=jnp.ones((2,)))
