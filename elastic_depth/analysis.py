@@ -401,7 +401,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     ref_depth: training-mean depth (the A0 reference).
     eps_grid: thresholds of the KL curves (default: default_grid()).
     delta: loss tolerance of the headline, nats/token.
-    curves: built-in curves among 'kl' (A1), 'gated_kl', 'reverse_kl', 'state_delta'.
+    curves: built-in curves among 'kl' (A1), 'gated_kl', 'reverse_kl', 'state_delta',
+      'confidence' (1 - max_v p_i(v) < eps, thresholds 1e-4..0.5).
     state_delta_grid: thresholds of 'state_delta' (default 1e-4..1).
     router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
     extra_curves: {name: Curve} scored the same way (e.g. later probes).
@@ -415,6 +416,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
   grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
+           'confidence': default_grid(1e-4, 0.5, 11),
            'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
   for c in curves:
     if c not in grids:

@@ -27,7 +27,9 @@ def _by_k(values_NxL: np.ndarray, diff_NxL: np.ndarray, sel_NxL: np.ndarray,
 
 # A1 variants: every token under the KL rule (exited tokens frozen), or the decision
 # taken on answer tokens only (the others run R loops and are not counted)
-VARIANTS = {'kl': False, 'kl_answers': True}
+# name -> (policy, exit decided on answer tokens only)
+VARIANTS = {'kl': ('kl', False), 'kl_answers': ('kl', True),
+            'confidence_answers': ('confidence', True)}
 
 
 def _a1_point(h: dict) -> int:
@@ -37,18 +39,19 @@ def _a1_point(h: dict) -> int:
   return int(np.argmin(h['frontier']['gap_same_loops']))
 
 
-def _variant(model, batches, rng, r_max, sweep, name, grid, diff, sel, ks):
+def _variant(model, batches, rng, r_max, sweep, name, diff, sel, ks):
   """Exit depth and loss by k at the variant's headline point, Spearman and frontier."""
   h, curve = sweep['headline'][name], sweep['curves'][name]
   j = _a1_point(h)
   keys = [analysis.batch_key(rng, k) for k in range(len(batches))]
-  scored = calibrate.score_grid(model, batches, keys, [grid[j]], r_max,
-                                mask_only=VARIANTS[name])
+  policy, mask_only = VARIANTS[name]
+  scored = calibrate.score_grid(model, batches, keys, [curve['threshold'][j]], r_max,
+                                policy=policy, mask_only=mask_only)
   exit_depth = scored['depth'][0]
   rho = stats.spearmanr(exit_depth[sel], diff[sel])[0] if len(ks) > 1 else float('nan')
   return {'loss_a1': _by_k(scored['nll'][0], diff, sel, ks),
           'exit_depth_a1': _by_k(exit_depth, diff, sel, ks),
-          'a1_eps': grid[j], 'a1_mean_loops': curve['mean_loops'][j],
+          'a1_eps': curve['threshold'][j], 'a1_mean_loops': curve['mean_loops'][j],
           'a1_loss': curve['loss'][j], 'spearman_exit_k': float(np.nan_to_num(rho)),
           'best_gain_same_loops': float(-h['best_gap_same_loops']),
           'loops_share_within_delta': (None if h['best'] is None else
@@ -77,7 +80,10 @@ def report(model, batches: Sequence[Mapping[str, Any]], rng: jax.Array, r_max: i
   trace = analysis.trace_batches(model, batches, r_max, rng, progress)
   sweep = analysis.sweep(model, batches, rng, r_max, ref_depth, eps_grid=grid, delta=delta,
                          trace=trace, progress=progress, timing_repeats=0, extra_curves={
-                             'kl_answers': analysis.Curve('kl', grid, mask_only=True)})
+                             'kl_answers': analysis.Curve('kl', grid, mask_only=True),
+                             'confidence_answers': analysis.Curve(
+                                 'confidence', analysis.default_grid(1e-4, 0.5, 11),
+                                 mask_only=True)})
   diff, sel = trace.difficulty, (trace.mask > 0) & (trace.difficulty > 0)
   ks = sorted(int(k) for k in np.unique(diff[sel]))
   nll = trace.stats['nll']
@@ -89,7 +95,7 @@ def report(model, batches: Sequence[Mapping[str, Any]], rng: jax.Array, r_max: i
       'loss_depth1': _by_k(nll[0], diff, sel, ks),
       'loss_train_mean': _by_k(nll[ref - 1], diff, sel, ks),
       'ref_loss': sweep['headline']['kl']['ref_loss'], 'a0': sweep['a0'],
-      'a1': {name: _variant(model, batches, rng, r_max, sweep, name, grid, diff, sel, ks)
+      'a1': {name: _variant(model, batches, rng, r_max, sweep, name, diff, sel, ks)
              for name in VARIANTS}}
 
 
@@ -105,18 +111,19 @@ def _summary_line(name: str, v: dict, res: dict) -> str:
 
 def short_table(res: dict) -> str:
   """The main job's closing table (markdown): A1 with the decision on answer tokens
-  (kl_answers) and with every token under the rule (kl)."""
-  a, b = res['a1']['kl_answers'], res['a1']['kl']
+  (kl_answers), with every token under the rule (kl), and the confidence exit on answers."""
+  a, b, c = (res['a1'][n] for n in ('kl_answers', 'kl', 'confidence_answers'))
   rows = ['| k | tokens | loss @ depth 1 | loss @ training mean | loss @ A1 exit | '
-          'mean A1 exit depth | (every token exits: loss, depth) |',
-          '|---|---:|---:|---:|---:|---:|---:|']
+          'mean A1 exit depth | (every token exits: loss, depth) | '
+          '(confidence exit: loss, depth) |', '|---|---:|---:|---:|---:|---:|---:|---:|']
   for i, k in enumerate(res['k']):
     rows.append(f"| {k} | {res['tokens_by_k'][i]} | {res['loss_depth1'][i]:.3f} | "
                 f"{res['loss_train_mean'][i]:.3f} | {a['loss_a1'][i]:.3f} | "
                 f"{a['exit_depth_a1'][i]:.2f} | {b['loss_a1'][i]:.3f}, "
-                f"{b['exit_depth_a1'][i]:.2f} |")
+                f"{b['exit_depth_a1'][i]:.2f} | {c['loss_a1'][i]:.3f}, "
+                f"{c['exit_depth_a1'][i]:.2f} |")
   return '\n'.join(rows + [''] + [_summary_line(n, res['a1'][n], res)
-                                   for n in ('kl_answers', 'kl')])
+                                   for n in ('kl_answers', 'kl', 'confidence_answers')])
 
 
 def markdown(res: dict) -> str:

@@ -202,9 +202,8 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   if trace:
     raise ValueError('error: per-loop traces need exit.engine=masked')
   policy = ExitPolicy(cfg.policy)
-  needs_head = policy in (ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.REVERSE_KL)
-  first = max(cfg.min_loops, 2)
-  is_check = lambda i: (i >= first) & ((i - cfg.min_loops) % cfg.check_every == 0)
+  needs_head = policy in policies.HEAD_POLICIES
+  _, reads = policies.check_schedule(policy, cfg.min_loops, cfg.check_every)
 
   def loop(model: LoopedLM, s0, e, pos):
     c = model.cfg
@@ -224,7 +223,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
       pos_c, s_c = g(pos), g(s)
       s_new, kv = model.core_step(s_c, g(e), pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in kv])
       h_new, coda_kv = _compact_readout(model, s, s_new, idx, pos, coda_kv, compact_coda,
-                                        needs_head, is_check(i) | is_check(i + 1))
+                                        needs_head, reads(i))
       check_fn, _ = policies.make_check_fn(
           policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,

@@ -114,11 +114,16 @@ class _HeadCheck(NamedTuple):
   trace: bool
   kernel: bool
   is_check: Callable
+  reads: Callable
+
+
+HEAD_POLICIES = (ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.REVERSE_KL,
+                  ExitPolicy.CONFIDENCE)
 
 
 def _no_stats(shape):
   inf = jnp.full(shape, jnp.inf, jnp.float32)
-  return {'kl': inf, 'rkl': inf, 'argmax': jnp.zeros(shape, jnp.int32),
+  return {'kl': inf, 'rkl': inf, 'conf': inf, 'argmax': jnp.zeros(shape, jnp.int32),
           'lse': jnp.zeros(shape, jnp.float32), 'logit_t': jnp.zeros(shape, jnp.float32)}
 
 
@@ -130,6 +135,8 @@ def _logit_stats(hc: _HeadCheck, a, prev, shape):
     st.update(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape))
   if hc.trace or hc.policy == ExitPolicy.REVERSE_KL:
     st['rkl'] = kl_halting.reference_kl_from_logits(_flat(prev), _flat(a))[0].reshape(shape)
+  if hc.trace or hc.policy == ExitPolicy.CONFIDENCE:  # 1 - max_v p_i(v), fp32
+    st['conf'] = -jnp.expm1(jnp.max(a, -1) - jax.nn.logsumexp(a, -1))
   if hc.trace and hc.targets_BxL is not None:
     st['logit_t'] = jnp.take_along_axis(a, hc.targets_BxL[..., None], -1)[..., 0]
   return st
@@ -164,7 +171,21 @@ def _head_stats(hc: _HeadCheck, s_new, carry: CheckCarry, i, active):
 
   if hc.trace:
     return run(carry)
-  return lax.cond(check | hc.is_check(i + 1), run, lambda c: (_no_stats(shape), c), carry)
+  return lax.cond(hc.reads(i), run, lambda c: (_no_stats(shape), c), carry)
+
+
+def check_schedule(policy: ExitPolicy, min_loops: int, check_every: int):
+  """(is_check(i), reads(i)): the loops a check decides at, and those it reads p_i at.
+
+  KL-type checks need p_{i-1} (none at loop 1) and read the loop before each check too;
+  the confidence check reads p_i at its check loops only, from min_loops on.
+  """
+  policy = ExitPolicy(policy)
+  first = min_loops if policy == ExitPolicy.CONFIDENCE else max(min_loops, 2)
+  is_check = lambda i: (i >= first) & ((i - min_loops) % check_every == 0)
+  if policy == ExitPolicy.CONFIDENCE:
+    return is_check, is_check
+  return is_check, lambda i: is_check(i) | is_check(i + 1)
 
 
 def _decide(policy: ExitPolicy, stats, i, eps, gate):
@@ -177,6 +198,7 @@ def _decide(policy: ExitPolicy, stats, i, eps, gate):
       ExitPolicy.REVERSE_KL: lambda: (stats['rkl'] < eps) & ~first,
       ExitPolicy.STATE_DELTA: lambda: (stats['delta'] < eps) & ~first,
       ExitPolicy.ROUTER: lambda: stats['p_change'] < eps,
+      ExitPolicy.CONFIDENCE: lambda: stats['conf'] < eps,
   }
   return rules[policy]()
 
@@ -209,11 +231,10 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
   policy = ExitPolicy(policy)
-  needs_head = trace or policy in (ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.REVERSE_KL)
-  first_check = max(min_loops, 2)
-  hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace,
-                  needs_head and not trace and kl_halting.kernel_active(use_kernel),
-                  lambda i: (i >= first_check) & ((i - min_loops) % check_every == 0))
+  needs_head = trace or policy in HEAD_POLICIES
+  kernel = policy != ExitPolicy.CONFIDENCE and kl_halting.kernel_active(use_kernel)
+  hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace, needs_head and not trace and kernel,
+                  *check_schedule(policy, min_loops, check_every))
 
   def carry0(s0):
     b, l = s0.shape[:2]
@@ -235,6 +256,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
       stats.update(kl=st['kl'], argmax=st['argmax'])
       if trace or policy == ExitPolicy.REVERSE_KL:
         stats['rkl'] = st['rkl']
+      if trace or policy == ExitPolicy.CONFIDENCE:
+        stats['conf'] = st['conf']
       if trace and targets_BxL is not None:
         stats['nll'] = st['lse'] - st['logit_t']
     if router is not None:

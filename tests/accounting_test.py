@@ -102,7 +102,8 @@ def _between(x):
   return float(0.5 * (v[j] + v[j + 1]))
 
 
-@pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router'])
+@pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router',
+                                    'confidence'])
 def test_scoring_counts_match_executed_work(mdl, events, policy):
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 40, (B, L)), jnp.int32)
   rng = jax.random.key(0)
@@ -111,8 +112,8 @@ def test_scoring_counts_match_executed_work(mdl, events, policy):
   tr = jax.device_get(inference.score(mdl, toks, probe, rng, router=router, trace=True).traces)
   gate = _between(tr['delta'][MIN_LOOPS - 1:])
   stat = {'kl': tr['kl'], 'reverse_kl': tr['rkl'], 'state_delta': tr['delta'],
-          'router': tr['p_change'], 'gated_kl': np.where(tr['delta'] < gate, tr['kl'], np.inf)
-          }[policy]
+          'router': tr['p_change'], 'gated_kl': np.where(tr['delta'] < gate, tr['kl'], np.inf),
+          'confidence': tr['conf']}[policy]
   # some tokens exit at each check (gated: where both the KL and the gate allow it)
   eps = _between((tr['kl'] if policy == 'gated_kl' else stat)[MIN_LOOPS - 1:])
   jax.effects_barrier()
@@ -125,9 +126,11 @@ def test_scoring_counts_match_executed_work(mdl, events, policy):
   assert set(np.unique(depth)) <= {3, 6, 9} and len(np.unique(depth)) > 1
   np.testing.assert_array_equal(depth == MIN_LOOPS, stat[MIN_LOOPS - 1] < eps)
   assert_counts(res.counts, list(events), depth)
-  head_policy = policy in ('kl', 'gated_kl', 'reverse_kl')
-  # no readout before loop 2 and none at loops 1, 4, 7; one head product per readout
-  expect = len([i for i in (2, 3, 5, 6, 8, 9) if i <= depth.max()]) if head_policy else 0
+  head_policy = policy in ('kl', 'gated_kl', 'reverse_kl', 'confidence')
+  # KL-type: no readout before loop 2 and none at loops 1, 4, 7; confidence: only at the
+  # checks (3, 6, 9); one head product per readout
+  reads = (3, 6, 9) if policy == 'confidence' else (2, 3, 5, 6, 8, 9)
+  expect = len([i for i in reads if i <= depth.max()]) if head_policy else 0
   assert int(res.counts.coda_passes) == expect + 1
   assert int(res.counts.head_passes) == expect + 1
 
@@ -177,7 +180,8 @@ def test_kernel_path_carries_the_hidden_state_and_counts_two_head_products(
   assert int(res.counts.head_passes) == 2 * checks + 1
 
 
-@pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router'])
+@pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router',
+                                    'confidence'])
 def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
   """Compacted engine: per-token work equals the masked engine's; batch work is the slots.
 
@@ -190,7 +194,7 @@ def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
   tr = jax.device_get(inference.score(mdl, toks, config.ExitConfig(
       policy='uniform', depth=R, max_loops=R), rng, router=router, trace=True).traces)
   stat = {'kl': tr['kl'], 'gated_kl': tr['kl'], 'reverse_kl': tr['rkl'],
-          'state_delta': tr['delta'], 'router': tr['p_change']}[policy]
+          'state_delta': tr['delta'], 'router': tr['p_change'], 'confidence': tr['conf']}[policy]
   eps, gate = _between(stat[MIN_LOOPS - 1:]), _between(tr['delta'][MIN_LOOPS - 1:])
   out = {e: inference.score(mdl, toks, exit_cfg(policy, eps, gate=gate, engine=e), rng,
                             router=router).counts for e in ('masked', 'compacted')}
@@ -202,8 +206,9 @@ def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
   caps = recurrence.capacities(L)
   cap = lambda i: min(c for c in caps if c >= (depth >= i).sum(axis=1).max())
   loops = range(1, depth.max() + 1)
-  reads = [i for i in (2, 3, 5, 6, 8, 9) if i <= depth.max()]
-  head_policy = policy in ('kl', 'gated_kl', 'reverse_kl')
+  reads = [i for i in ((3, 6, 9) if policy == 'confidence' else (2, 3, 5, 6, 8, 9))
+           if i <= depth.max()]
+  head_policy = policy in ('kl', 'gated_kl', 'reverse_kl', 'confidence')
   expect = lambda ls: (B * sum(cap(i) for i in ls) + B * L) / (B * L)
   assert float(got.core_passes) == pytest.approx(B * sum(cap(i) for i in loops) / (B * L))
   assert float(got.coda_passes) == pytest.approx(expect(reads if head_policy else []))

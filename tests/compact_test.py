@@ -9,7 +9,8 @@ from flax import nnx
 from elastic_depth import config, inference, model as model_lib, policies, recurrence
 
 B, L, R = 2, 8, 6
-STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_change'}
+STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_change',
+        'confidence': 'conf'}
 
 
 def _model(n_coda):
@@ -54,7 +55,8 @@ def _assert_same(ref, got):
 
 
 @pytest.mark.parametrize('policy,n_coda,min_loops,check_every', [
-    ('kl', 2, 2, 2), ('reverse_kl', 1, 3, 1), ('state_delta', 1, 1, 2), ('router', 2, 2, 1)])
+    ('kl', 2, 2, 2), ('reverse_kl', 1, 3, 1), ('state_delta', 1, 1, 2), ('router', 2, 2, 1),
+    ('confidence', 1, 1, 1)])
 def test_compacted_equals_masked(setup, policy, n_coda, min_loops, check_every):
   models, toks, router, traces = setup
   eps = _ragged_eps(traces[n_coda], policy, min_loops)

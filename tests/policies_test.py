@@ -160,3 +160,26 @@ def test_state_delta_check_fn():
   assert 0 < np.sum(rel < 1e-2) < rel.size
   first, _, _ = check(s_new, s_old, carry, jnp.int32(1))
   assert not np.any(np.asarray(first))
+
+
+def test_confidence_check_fn_against_float64_softmax():
+  """CONFIDENCE fires where 1 - max_v p(v) < eps (p from the readout and head), from loop
+  min_loops on (loop 1 included: it needs no previous loop), and reads nothing elsewhere."""
+  rng = np.random.default_rng(6)
+  h = rng.normal(size=(2, 5, 8))
+  w = rng.normal(size=(11, 8)) * np.array([[3.0], [0.1]] * 5 + [[0.5]])  # peaked and flat
+  logits = h @ w.T
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  conf = 1.0 - p.max(-1)
+  eps = float(np.median(conf))
+  for min_loops, check_every, i, checks in ((1, 1, 1, True), (2, 2, 3, False), (2, 2, 4, True)):
+    check, carry0 = policies.make_check_fn(
+        'confidence', eps=eps, readout=lambda s: s, w_VxD=jnp.asarray(w, jnp.float32),
+        min_loops=min_loops, check_every=check_every)
+    s = jnp.asarray(h, jnp.float32)
+    carry = carry0(s)
+    want, carry, _ = check(s, s, carry, jnp.int32(i))
+    np.testing.assert_array_equal(np.asarray(want), (conf < eps) if checks else False)
+    assert int(carry.coda) == int(carry.head) == int(checks)  # a readout only at checks
+  assert 0 < np.sum(conf < eps) < conf.size
