@@ -70,7 +70,7 @@ def test_profile_train_attributes_the_step_time(tmp_path):
   assert res['op_s'] > 0 and res['wall_s'] > 0
   for axis, parts in res['summary'].items():  # every axis partitions the same op time
     assert sum(parts.values()) == pytest.approx(res['op_s'], rel=1e-6), axis
-  assert res['unmatched_s'] < 0.05 * res['op_s']  # nearly every op event found its HLO op
+  assert res['unmatched_s'] < 0.1 * res['op_s']  # nearly every op event found its HLO op
   assert {'core loops', 'outside loops', 'optimizer'} <= set(res['summary']['region'])
   assert {'forward', 'backward', 'remat recompute'} <= set(res['summary']['pass'])
   assert {'mlp', 'sdpa', 'norm'} <= set(res['summary']['part'])
