@@ -1,10 +1,9 @@
 """Measurements on a frozen looped LM: elasticity, convergence and exit-policy sweeps.
 
 Everything runs jitted in fp32 ('highest' matmul precision) with one fixed key: a
-token's initial recurrent state is a function of (rng, its position, its sequence's
-tokens so far) in every run (trace and sweep alike), and all reductions happen on the
-host in float64 over the masked tokens in a fixed order, so a checkpoint and its flags
-give bit-identical numbers.
+token's initial recurrent state is a function of (rng, its position) in every run
+(trace and sweep alike), and all reductions happen on the host in float64 over the
+masked tokens in a fixed order, so a checkpoint and its flags give bit-identical numbers.
 
 One traced uniform run at depth R gives per-loop arrays [R, N, L] (N = all rows of
 all batches): in parallel semantics with no exits the readout of loop i equals the
@@ -34,8 +33,11 @@ def default_grid(lo: float = 1e-6, hi: float = 1.0, n: int = 13) -> list[float]:
   return [float(x) for x in np.logspace(np.log10(lo), np.log10(hi), n)]
 
 
+CONFIDENCE_GRID = default_grid(1e-4, 0.5, 11)  # thresholds on 1 - max_v p_i(v)
+
+
 def batch_key(rng: jax.Array, k: int) -> jax.Array:
-  """Key of batch k's initial state: rng itself (states depend on position and content only)."""
+  """Key of batch k's initial state: rng itself (states depend on position only)."""
   del k  # model.initial_state: a sequence starts from the same states in any batch
   return rng
 
@@ -416,7 +418,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
   grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
-           'confidence': default_grid(1e-4, 0.5, 11),
+           'confidence': CONFIDENCE_GRID,
            'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
   for c in curves:
     if c not in grids:

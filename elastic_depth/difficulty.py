@@ -82,7 +82,7 @@ def report(model, batches: Sequence[Mapping[str, Any]], rng: jax.Array, r_max: i
                          trace=trace, progress=progress, timing_repeats=0, extra_curves={
                              'kl_answers': analysis.Curve('kl', grid, mask_only=True),
                              'confidence_answers': analysis.Curve(
-                                 'confidence', analysis.default_grid(1e-4, 0.5, 11),
+                                 'confidence', analysis.CONFIDENCE_GRID,
                                  mask_only=True)})
   diff, sel = trace.difficulty, (trace.mask > 0) & (trace.difficulty > 0)
   ks = sorted(int(k) for k in np.unique(diff[sel]))
