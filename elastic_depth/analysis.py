@@ -21,7 +21,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from elastic_depth import inference, losses, policies
+from elastic_depth import books, inference, losses, policies
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
@@ -86,13 +86,13 @@ def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
 
 def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
                    policy: ExitPolicy, min_loops: int, r_max: int, gate: float = 0.0,
-                   mask_only: bool = False):
+                   mask_only: bool = False, check_every: int = 1):
   """(NLL_BxL, inference.Counts) under an exit policy (what policy_curve jits; eps is traced).
 
   With mask_only, only the tokens of mask_BxL (e.g. answer tokens) may exit early.
   """
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                   max_loops=r_max, check_every=1, gate=gate)
+                   max_loops=r_max, check_every=check_every, gate=gate)
   res = inference.score(model, inputs_BxL, cfg, key, router=router,
                         exit_mask_BxL=(mask_BxL > 0) if mask_only else None)
   return losses.nll(res.logits, targets_BxL), res.counts
@@ -100,7 +100,7 @@ def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
 
 def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
                    policy: ExitPolicy, min_loops: int, r_max: int, gate: float = 0.0,
-                   mask_only: bool = False):
+                   mask_only: bool = False, check_every: int = 1):
   """policy_outputs in cached semantics: token 0 prefilled, then decode_step per token.
 
   Counts cover the decoded positions 1..L-1 (batch passes: [L-1], per token [B, L-1]);
@@ -111,7 +111,7 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
     raise ValueError('cached semantics has no exit mask: every decoded token may exit '
                      '(use semantics=parallel for curves whose exits are limited to answers)')
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                   max_loops=r_max, check_every=1, gate=gate)
+                   max_loops=r_max, check_every=check_every, gate=gate)
   toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
   logits, depth, depth0, n = inference.score_cached(model, toks, 1, cfg, key, router,
                                                     with_counts=True)
@@ -120,7 +120,7 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
 
 
 _trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
-_statics = ('policy', 'min_loops', 'r_max', 'gate', 'mask_only')
+_statics = ('policy', 'min_loops', 'r_max', 'gate', 'mask_only', 'check_every')
 _RUNS = {Semantics.PARALLEL: nnx.jit(policy_outputs, static_argnames=_statics),
          Semantics.CACHED: nnx.jit(cached_outputs, static_argnames=_statics)}
 
@@ -259,6 +259,7 @@ class Curve(NamedTuple):
   semantics: Semantics = Semantics.PARALLEL
   gate: float = 0.0  # gated_kl's state-change gate
   mask_only: bool = False  # only scored (mask) tokens may exit; the others run R loops
+  check_every: int = 1  # checks at min_loops + k * check_every only
 
 
 def executed_flops(mcfg, core, coda, head, seq_len: int):
@@ -300,10 +301,11 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
   run = functools.partial(_RUNS[Semantics(curve.semantics)], policy=policy,
                           min_loops=min_loops, r_max=r_max, gate=float(curve.gate),
-                          mask_only=curve.mask_only)
+                          mask_only=curve.mask_only, check_every=curve.check_every)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
-                         'mean_core_passes', 'mean_readouts', 'share_max_depth')}
+                         'mean_core_passes', 'mean_readouts', 'mean_heads',
+                         'mean_loops_counted', 'share_max_depth')}
   mask = np.concatenate([np.asarray(b['mask'], np.float32) for b in batches])
   with jax.default_matmul_precision('highest'):
     for eps in _bar(list(curve.thresholds), f'sweep {policy.value}', progress):
@@ -332,6 +334,8 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
           model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len), mask[:, -t:]))
       out['mean_core_passes'].append(_masked_mean(per_pos('core_passes'), ones))
       out['mean_readouts'].append(_masked_mean(cat('coda'), mask[:, -t:]))
+      out['mean_heads'].append(_masked_mean(cat('head'), mask[:, -t:]))
+      out['mean_loops_counted'].append(_masked_mean(depth[:, -t:], mask[:, -t:]))
       out['share_max_depth'].append(_masked_mean(depth == r_max, mask))
   out['policy'] = policy
   return out
@@ -395,7 +399,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           extra_curves: Optional[Mapping[str, Curve]] = None,
           semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
           trace: Optional[Trace] = None, timing_repeats: int = 3,
-          progress: bool = False) -> dict:
+          check_every: Sequence[int] = (1,), progress: bool = False) -> dict:
   """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
 
   Args:
@@ -414,6 +418,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     trace: a precomputed trace of the same batches and rng (else computed here).
     timing_repeats: the best point of each curve is timed against A0 at ref_depth
       (`wall_clock`, medians of this many interleaved runs; 0: not timed).
+    check_every: for each k > 1, every curve again with checks every k loops
+      (named '<curve>/every<k>').
     progress: tqdm bars.
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
@@ -433,6 +439,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     specs['router'] = Curve('router', router_grid or [float(x) for x in
                                                       np.linspace(0.05, 0.95, 10)], router)
   specs.update(extra_curves or {})
+  specs.update({f'{n}/every{k}': c._replace(check_every=int(k))
+                for k in check_every if int(k) > 1 for n, c in list(specs.items())})
   specs = {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)
            for sem in sems for n, c in specs.items()}
   a0 = uniform_curve(trace, model.cfg)
@@ -445,6 +453,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     if h['best'] is not None and timing_repeats > 0:
       h['best']['wall_clock'] = wall_clock(model, batches, rng, spec, h['best']['threshold'],
                                            ref_depth, r_max, timing_repeats)
+  out['check_books'] = books.check_books(out, model.cfg, int(trace.inputs.shape[1]))
   return out
 
 
@@ -457,7 +466,8 @@ def wall_clock(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
   depth = max(1, int(round(ref_depth)))
   fns = {'policy': functools.partial(run, policy=ExitPolicy(curve.policy),
                                      min_loops=curve.min_loops, r_max=r_max,
-                                     gate=float(curve.gate), mask_only=curve.mask_only),
+                                     gate=float(curve.gate), mask_only=curve.mask_only,
+                                     check_every=curve.check_every),
          'a0': functools.partial(run, policy=ExitPolicy.UNIFORM, min_loops=1, r_max=depth)}
   eps = {'policy': jnp.float32(threshold), 'a0': jnp.float32(0.0)}
 

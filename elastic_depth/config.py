@@ -60,6 +60,11 @@ class NanPolicy(str, enum.Enum):
   SKIP = 'skip'
 
 
+# The paper's SmolLM2-135M-shaped blocks, prelude/core/coda 2/4/2 (benchmarks' shape P).
+BLOCKS_135M = dict(vocab_size=49152, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                   mlp_dim=1536, n_prelude=2, n_core=4, n_coda=2)
+
+
 @dataclasses.dataclass
 class ModelConfig:
   """Shape of the looped LM: prelude -> core x r -> coda -> head."""

@@ -172,7 +172,26 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
           c['flops'][i] / 1e9, c['flops_active'][i] / 1e9, c['mean_readouts'][i],
           c['share_max_depth'][i], fr['a0_loss_same_loops'][i], fr['gap_same_loops'][i],
           fr['a0_loss_same_flops'][i]] for i in range(len(c['threshold']))])
-  return md
+  return md + _books_markdown(res.get('check_books') or {})
+
+
+def _books_markdown(bk: dict) -> str:
+  """The exit-check books: cost per loop and the frontier against the exact check."""
+  if not bk:
+    return ''
+  rows = []
+  for name, b in bk.items():
+    g = b['frontier_vs_exact'] or {}
+    rows.append([name, min(b['cost']), max(b['cost']), min(b['cost_135m']), max(b['cost_135m']),
+                 b['exact'], g.get('max_gap'), g.get('at_mean_loops'),
+                 '-' if not g else f"{g['range'][0]:.2f}-{g['range'][1]:.2f}", b['meets']])
+  return ('\n## Exit-check books\n\nCheck work per core loop, in core loops (executed readouts '
+          'and head products beyond the output readout, and the state change every loop), '
+          'over the curve\'s points; the frontier of each curve against the exact check\'s '
+          'at equal mean loops (positive: worse).\n\n' + table(
+              ['curve', 'cost min', 'cost max', 'cost @135M min', 'cost @135M max', 'exact',
+               'max frontier gap', 'at mean loops', 'range', 'meets (gap <= 0.002, cost <= 0.25 @135M)'],
+              rows))
 
 
 def sweep_plot(res: dict):

@@ -8,6 +8,8 @@ import time
 
 import jax
 
+from elastic_depth import config
+
 
 def write_json(path: str, doc: dict, echo: bool = False) -> None:
   """Writes a benchmark's JSON (creating its folder); echo: also print it."""
@@ -48,8 +50,7 @@ def cpu_description() -> str:
 MODEL_SHAPES = {
     'S': dict(vocab_size=4096, d_model=256, num_heads=4, num_kv_heads=4, head_dim=64,
               mlp_dim=1024, n_prelude=1, n_core=2, n_coda=1),
-    'P': dict(vocab_size=49152, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
-              mlp_dim=1536, n_prelude=2, n_core=4, n_coda=2),  # the 135M blocks
+    'P': dict(config.BLOCKS_135M),  # the 135M blocks
     'nano': dict(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
                  mlp_dim=64, n_prelude=1, n_core=1, n_coda=1),  # smoke tests only
 }

@@ -37,6 +37,7 @@ class SweepOptions:
   semantics: tuple[str, ...] = ('parallel',)      # parallel (score), cached (decode_step)
   calibrated: bool = True                         # mark calibrate_eps's eps if chosen
   timing_repeats: int = 3                         # time each best point against A0
+  check_every: tuple[int, ...] = (1,)             # also every curve checked every k loops
 
 
 # EPS_GRID and DELTA are shared with experiments.calibrate_eps
@@ -62,6 +63,8 @@ TIMING_REPEATS = flags.DEFINE_integer('timing_repeats', SweepOptions.timing_repe
                                       'Time each curve\'s best point against A0 at the '
                                       'training mean, interleaved, medians of this many '
                                       'runs (0: no timing).')
+CHECK_EVERY = flags.DEFINE_list('check_every', ['1'], 'For each k > 1, every curve again '
+                                'with checks every k loops (<curve>/every<k>).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -77,7 +80,18 @@ def options_from_flags() -> SweepOptions:
                       state_delta_grid=_floats(STATE_DELTA_GRID.value, 'state_delta_grid'),
                       router_grid=_floats(ROUTER_GRID.value, 'router_grid'),
                       semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value,
-                      timing_repeats=TIMING_REPEATS.value)
+                      timing_repeats=TIMING_REPEATS.value,
+                      check_every=_check_every(CHECK_EVERY.value))
+
+
+def _check_every(xs) -> tuple[int, ...]:
+  try:
+    ks = tuple(int(x) for x in xs)
+  except ValueError:
+    ks = ()
+  if not ks or min(ks) < 1:
+    raise common.SetupError(f'--check_every: want positive integers, got {",".join(xs)}')
+  return ks
 
 
 def _router(opts: common.Options, ld: common.Loaded):
@@ -126,6 +140,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,
                        extra_curves=extra, timing_repeats=x.timing_repeats,
+                       check_every=x.check_every,
                        progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
@@ -145,6 +160,12 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
             f"{100 * b['flops_active_saving']:.1f}% fewer (active tokens only)"
             f"{_timed(b.get('wall_clock'))}); uniform depth at the same mean loops: "
             f"{b['a0_loss_same_loops']:.4f} (gap {b['gap_same_loops']:+.4f})")
+  for name, b in res['check_books'].items():
+    g = b['frontier_vs_exact']
+    vs = ('' if g is None else f"; frontier vs {b['exact']}: at most {g['max_gap']:+.4f} "
+          f"nats at equal mean loops ({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)")
+    print(f"{name}: check cost per loop {max(b['cost']):.3f} core loops here, "
+          f"{max(b['cost_135m']):.3f} at the 135M blocks (max over the curve){vs}")
   print(f"report {paths['md']}")
   return {'results': res, 'paths': paths}
 

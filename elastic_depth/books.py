@@ -1,0 +1,106 @@
+"""Exit-check books: what a check executes per core loop, and a cheap check's frontier
+against the exact one at equal mean loops (issue 10 part 4)."""
+
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from elastic_depth import config as config_lib
+from elastic_depth import model as model_lib
+
+FRONTIER_TOLERANCE = 0.002  # nats/token a cheap check may lose against the exact one
+CHECK_BUDGET = 0.25         # core loops of check work per loop
+SEQ_135M = 1024             # sequence length the 135M-block costs are taken at
+
+
+def delta_flops(d_model: int) -> int:
+  """FLOPs of the relative state change that every check computes at every loop."""
+  return 5 * d_model  # difference, two squared norms, a division
+
+
+def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: int):
+  """Check work per core loop, in core loops, from per-token executed counts.
+
+  The output readout (one coda pass and one head product per token) is what A0 pays
+  too, so it is not the check's: cost = ((readouts - 1) x coda + (heads - 1) x head +
+  loops x delta) / (loops x loop), with `model.flops_per_token`'s parts for mcfg.
+
+  Args:
+    mcfg: the model shape to cost the counts at (e.g. the 135M blocks).
+    loops, readouts, heads: mean core loops, readouts and head products per token as
+      the engine executed them (final readout included), scalars or arrays.
+    seq_len: the sequence length of the attention FLOPs.
+  Returns:
+    core loops of check work per core loop (float or array).
+  """
+  f = model_lib.flops_per_token(mcfg, 0, seq_len)
+  coda = f['coda_head'] - f['head']
+  loops, readouts, heads = (np.asarray(x, np.float64) for x in (loops, readouts, heads))
+  work = ((readouts - 1) * coda + (heads - 1) * f['head']
+          + loops * delta_flops(mcfg.d_model))
+  return work / (loops * f['loop'])
+
+
+def lower_envelope(mean_loops: Sequence[float], loss: Sequence[float]):
+  """(m, l) of the Pareto points: the lowest loss reachable at up to m mean loops."""
+  order = np.lexsort((np.asarray(loss, np.float64), np.asarray(mean_loops, np.float64)))
+  m = np.asarray(mean_loops, np.float64)[order]
+  l = np.asarray(loss, np.float64)[order]
+  keep, best = [], np.inf
+  for i in range(len(m)):
+    if l[i] < best:
+      keep.append(i)
+      best = l[i]
+  return m[keep], l[keep]
+
+
+def frontier_gap(exact: Mapping, cheap: Mapping) -> Optional[dict]:
+  """How much a cheap check's frontier loses against the exact one at equal mean loops.
+
+  Both frontiers are the lower envelopes of their (mean loops, loss) points joined
+  linearly; they are compared at every breakpoint of either inside the mean-loop range
+  both cover. Positive gap: the cheap check is worse.
+
+  Args:
+    exact, cheap: curves with 'mean_loops' and 'loss' lists.
+  Returns:
+    {'max_gap', 'at_mean_loops', 'range', 'points'}, or None without overlap.
+  """
+  me, le = lower_envelope(exact['mean_loops'], exact['loss'])
+  mc, lc = lower_envelope(cheap['mean_loops'], cheap['loss'])
+  lo, hi = max(me[0], mc[0]), min(me[-1], mc[-1])
+  if lo > hi:
+    return None
+  grid = np.unique(np.concatenate([me, mc, [lo, hi]]))
+  grid = grid[(grid >= lo) & (grid <= hi)]
+  gap = np.interp(grid, mc, lc) - np.interp(grid, me, le)
+  i = int(np.argmax(gap))
+  return {'max_gap': float(gap[i]), 'at_mean_loops': float(grid[i]),
+          'range': [float(lo), float(hi)], 'points': int(len(grid))}
+
+
+def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> list:
+  """Check cost per loop (core loops) at every point of a sweep curve, at shape mcfg."""
+  return np.atleast_1d(check_cost(mcfg, curve['mean_loops_counted'], curve['mean_readouts'],
+                                  curve['mean_heads'], seq_len)).tolist()
+
+
+def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
+                exact: str = 'kl') -> dict:
+  """Per curve of a sweep: check cost per loop at its shape and at the 135M blocks, and
+  its frontier against the exact curve of the same semantics (None where absent)."""
+  big = config_lib.ModelConfig(**config_lib.BLOCKS_135M)
+  out = {}
+  for name, c in res['curves'].items():
+    if 'mean_heads' not in c:
+      continue
+    sem = name.split('@')[1] if '@' in name else None
+    ref = res['curves'].get(exact if sem is None else f'{exact}@{sem}')
+    gap = None if ref is None or ref is c else frontier_gap(ref, c)
+    out[name] = {'cost': curve_costs(c, mcfg, seq_len),
+                 'cost_135m': curve_costs(c, big, SEQ_135M), 'exact': exact,
+                 'frontier_vs_exact': gap,
+                 'meets': None if gap is None else bool(
+                     gap['max_gap'] <= FRONTIER_TOLERANCE and
+                     max(curve_costs(c, big, SEQ_135M)) <= CHECK_BUDGET)}
+  return out

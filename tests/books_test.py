@@ -1,0 +1,117 @@
+"""Exit-check books (elastic_depth.books) against brute force and the compiled programs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from elastic_depth import analysis, books, config
+from elastic_depth import model as model_lib
+
+
+def _pareto_brute(m, l):
+  """Points no other point beats at fewer-or-equal loops: O(n^2)."""
+  keep = [i for i in range(len(m))
+          if not any(m[j] <= m[i] and l[j] < l[i] for j in range(len(m)) if j != i)]
+  keep = sorted(set((m[i], l[i]) for i in keep))
+  return np.array([k[0] for k in keep]), np.array([k[1] for k in keep])
+
+
+def test_frontier_gap_matches_a_dense_brute_force_grid():
+  rs = np.random.default_rng(0)
+  for _ in range(20):
+    me, mc = rs.uniform(1, 8, 9), rs.uniform(1.5, 9, 7)
+    le, lc = 2 + 1 / me + rs.normal(0, 0.01, 9), 2 + 1 / mc + rs.normal(0, 0.01, 7)
+    g = books.frontier_gap({'mean_loops': me, 'loss': le}, {'mean_loops': mc, 'loss': lc})
+    pe, pc = _pareto_brute(me, le), _pareto_brute(mc, lc)
+    lo, hi = max(pe[0][0], pc[0][0]), min(pe[0][-1], pc[0][-1])
+    assert g['range'] == pytest.approx([lo, hi])
+    grid = np.linspace(lo, hi, 20001)
+    dense = np.interp(grid, *pc) - np.interp(grid, *pe)
+    # piecewise linear: the maximum sits on a breakpoint, which the dense grid brackets
+    assert g['max_gap'] >= dense.max() - 1e-12
+    assert g['max_gap'] == pytest.approx(dense.max(), abs=2e-3 * (hi - lo))
+    assert np.interp(g['at_mean_loops'], *pc) - np.interp(g['at_mean_loops'], *pe) == (
+        pytest.approx(g['max_gap']))
+
+
+def test_frontier_gap_of_a_shifted_curve_is_the_shift():
+  m = [1.0, 2.0, 3.0, 5.0]
+  loss = [3.0, 2.5, 2.2, 2.1]
+  exact = {'mean_loops': m, 'loss': loss}
+  assert books.frontier_gap(exact, exact)['max_gap'] == 0.0
+  worse = {'mean_loops': m, 'loss': [x + 0.003 for x in loss]}
+  assert books.frontier_gap(exact, worse)['max_gap'] == pytest.approx(0.003)
+  # a dominated point does not count: it is off the frontier
+  extra = {'mean_loops': m + [2.5], 'loss': loss + [9.0]}
+  assert books.frontier_gap(exact, extra)['max_gap'] == pytest.approx(0.0)
+  assert books.frontier_gap(exact, {'mean_loops': [6.0, 7.0], 'loss': [2, 2]}) is None
+
+
+def _compiled_flops(fn, *args):
+  return jax.jit(fn).lower(*args).compile().cost_analysis()['flops']
+
+
+def test_cost_parts_match_the_compiled_loop_and_readout():
+  """coda/loop and head/loop from model.flops_per_token against XLA's own FLOP count."""
+  cfg = config.ModelConfig(vocab_size=2048, d_model=64, num_heads=4, num_kv_heads=2,
+                           head_dim=16, mlp_dim=192, n_prelude=1, n_core=2, n_coda=2,
+                           max_len=64)
+  mdl = model_lib.LoopedLM(cfg, nnx.Rngs(0))
+  b, l = 2, 64
+  s = jnp.ones((b, l, cfg.d_model), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(l), (b, l))
+  graphdef, state = nnx.split(mdl)
+
+  def loop(state, s):
+    m = nnx.merge(graphdef, state)
+    return m.core_step(s, s, pos, [None] * cfg.n_core)[0]
+
+  def coda(state, s):
+    return nnx.merge(graphdef, state).decode_state(s, pos)[0]
+
+  def head(state, h):
+    return nnx.merge(graphdef, state).logits(h)
+  f = model_lib.flops_per_token(cfg, 0, l)
+  xla = {k: _compiled_flops(fn, state, s) / (b * l)
+         for k, fn in (('loop', loop), ('coda', coda), ('head', head))}
+  # XLA also counts elementwise work (norms, softmax, SwiGLU): a few percent
+  assert xla['coda'] / xla['loop'] == pytest.approx(
+      (f['coda_head'] - f['head']) / f['loop'], rel=0.15)
+  assert xla['head'] / xla['loop'] == pytest.approx(f['head'] / f['loop'], rel=0.15)
+
+
+R, B, L = 6, 2, 8
+
+
+def test_sweep_books_from_the_engines_counts():
+  cfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
+                           head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
+                           max_len=64, init_std=0.1)
+  mdl = model_lib.LoopedLM(cfg, nnx.Rngs(3))
+  rs = np.random.default_rng(0)
+  batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
+                  targets=rs.integers(0, 48, (B, L)).astype(np.int32),
+                  mask=np.ones((B, L), np.float32)) for _ in range(2)]
+  res = analysis.sweep(mdl, batches, jax.random.key(5), R, 4.0, eps_grid=[0.0, 1e9],
+                       curves=('kl', 'state_delta'), state_delta_grid=[0.0, 1e9],
+                       timing_repeats=0, check_every=(1, 3))
+  bk = res['check_books']
+  assert set(bk) == {'kl', 'state_delta', 'kl/every3', 'state_delta/every3'}
+  f = model_lib.flops_per_token(cfg, 0, L)
+  coda, head, delta = f['coda_head'] - f['head'], f['head'], 5 * cfg.d_model
+  # state change: no readout beyond the output, the norm at every loop
+  assert bk['state_delta']['cost'] == pytest.approx([delta / f['loop']] * 2)
+  # kl at eps = 0 never exits: R loops, a readout at loops 1..R (p_1 for the loop-2
+  # check), then the output readout
+  assert bk['kl']['cost'][0] == pytest.approx((R * (coda + head) + R * delta) / (R * f['loop']))
+  # every 3 loops from min_loops = 1: checks at 4 and 7, reads at 3, 4 and 6 (the engine
+  # reads p_6 for a loop-7 check that the R = 6 cap never reaches: counted, as executed)
+  assert bk['kl/every3']['cost'][0] == pytest.approx((3 * (coda + head) + R * delta) / (R * f['loop']))
+  assert bk['kl']['frontier_vs_exact'] is None  # the exact curve itself
+  assert bk['kl/every3']['frontier_vs_exact'] is not None
+  big = config.ModelConfig(**config.BLOCKS_135M)
+  fb = model_lib.flops_per_token(big, 0, books.SEQ_135M)
+  assert bk['kl']['cost_135m'][0] == pytest.approx(
+      (R * fb['coda_head'] + R * 5 * big.d_model) / (R * fb['loop']))
