@@ -120,6 +120,11 @@ def _calibrated(opts: common.Options) -> dict:
   return {} if eps is None else {'calibrated': analysis.Curve('kl', [eps])}
 
 
+def _operating(g) -> str:
+  return ('' if g is None else f", {g['max_gap']:+.4f} in the operating range "
+          f"({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)")
+
+
 def _timed(wc) -> str:
   if not wc:
     return ''
@@ -163,7 +168,8 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   for name, b in res['check_books'].items():
     g = b['frontier_vs_exact']
     vs = ('' if g is None else f"; frontier vs {b['exact']}: at most {g['max_gap']:+.4f} "
-          f"nats at equal mean loops ({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)")
+          f"nats at equal mean loops ({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)"
+          + _operating(b.get('frontier_vs_exact_operating')))
     print(f"{name}: check cost per loop {max(b['cost']):.3f} core loops here, "
           f"{max(b['cost_135m']):.3f} at the 135M blocks (max over the curve){vs}")
   print(f"report {paths['md']}")

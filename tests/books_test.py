@@ -115,3 +115,12 @@ def test_sweep_books_from_the_engines_counts():
   fb = model_lib.flops_per_token(big, 0, books.SEQ_135M)
   assert bk['kl']['cost_135m'][0] == pytest.approx(
       (R * fb['coda_head'] + R * 5 * big.d_model) / (R * fb['loop']))
+
+
+def test_operating_range_compares_only_where_the_exact_loss_is_low():
+  exact = {'mean_loops': [2.0, 3.0, 4.0, 6.0], 'loss': [0.5, 0.1, 0.05, 0.04]}
+  cheap = {'mean_loops': [2.0, 3.0, 4.0, 6.0], 'loss': [0.5, 0.3, 0.051, 0.04]}
+  assert books.frontier_gap(exact, cheap)['max_gap'] == pytest.approx(0.2)
+  g = books.frontier_gap(exact, cheap, loss_cap=0.06)
+  assert g['range'] == [4.0, 6.0] and g['max_gap'] == pytest.approx(0.001)
+  assert books.frontier_gap(exact, cheap, loss_cap=0.01) is None
