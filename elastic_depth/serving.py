@@ -31,7 +31,8 @@ from elastic_depth import inference, losses, policies
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM
 
-_POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL)
+_POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.STATE_DELTA)
+_READS = (ExitPolicy.KL, ExitPolicy.GATED_KL)  # policies whose check reads out (paired)
 
 
 class Counts(NamedTuple):
@@ -158,6 +159,9 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B):
           [(zk, zk)] * model.cfg.n_coda)
   if cfg.policy == ExitPolicy.UNIFORM:
     return jnp.zeros_like(act), jnp.zeros_like(act), skip[1], skip[2]
+  if cfg.policy == ExitPolicy.STATE_DELTA:  # no readout: an exit reads out in _final
+    fire = want & (policies.relative_change(s_new, st.s)[:, 0] < eps_B)
+    return fire, jnp.zeros_like(act), skip[1], skip[2]
 
   def pair(_):
     logits, kv = _coda(model, st, jnp.concatenate([st.s, s_new], 1),
@@ -194,7 +198,7 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
   b = jnp.int32(act.shape[0])
   c = st.counts
-  n_pair = jnp.any(ran).astype(jnp.int32) * 2 * b if cfg.policy != ExitPolicy.UNIFORM else 0
+  n_pair = jnp.any(ran).astype(jnp.int32) * 2 * b if cfg.policy in _READS else 0
   counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
                       readout_rows=c.readout_rows + n_pair
@@ -227,7 +231,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     model: the frozen LM.
     prompt_BxP: int32 prompts, right-padded when prompt_len_B is given.
     n_new: tokens to generate per row.
-    cfg: exit policy (uniform, kl or gated_kl), min/max loops, check_every, gate.
+    cfg: exit policy (uniform, kl, gated_kl or state_delta), min/max loops, check_every, gate.
     rng: key of the initial recurrent states (and of sampling).
     eps_B: per-row KL thresholds (default cfg.eps for every row).
     prompt_len_B: per-row prompt lengths (default P).

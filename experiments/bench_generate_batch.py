@@ -15,6 +15,7 @@ a workdir a random-init shape gives throughput only, labelled "no quality".
 """
 
 import os
+import statistics
 import time
 
 import jax
@@ -29,8 +30,13 @@ from experiments import bench_util, common
 
 _BATCHES = flags.DEFINE_list('batch_sizes', [], 'Batch sizes of the depth-wise comparison '
                              '(e.g. 1,8,32; empty: the batch-1 shape benchmark).')
-_EPS_GRID = flags.DEFINE_list('eps_grid', ['1e-1', '3e-2', '1e-2', '3e-3', '1e-3', '3e-4',
-                                           '1e-4', '3e-5', '1e-5'], 'A1 eps candidates.')
+_EPS_GRID = flags.DEFINE_list('eps_grid', None, 'A1 eps candidates (default: KL 1e-1..1e-5; '
+                              'state_delta 0.5..0.01).')
+_POLICY = flags.DEFINE_enum('exit_policy', 'kl', ['kl', 'state_delta'],
+                            'A1\'s exit check: KL (paired readout) or the relative state '
+                            'change (no readout until the exit).')
+_GRIDS = {'kl': ['1e-1', '3e-2', '1e-2', '3e-3', '1e-3', '3e-4', '1e-4', '3e-5', '1e-5'],
+          'state_delta': ['0.5', '0.4', '0.3', '0.2', '0.15', '0.1', '0.05', '0.03', '0.01']}
 _TOL = flags.DEFINE_float('quality_tol', 0.01, 'Matched quality: A1 loss <= A0 loss + this.')
 _SHAPE = flags.DEFINE_string('serve_shape', 'S', 'Random-init shape without --workdir.')
 _F = flags.FLAGS
@@ -60,8 +66,9 @@ def _matched(mdl, batches, rng, a0_depth: int, r_max: int) -> dict:
   """A0's cached loss and the most aggressive eps within --quality_tol of it."""
   a0 = _cached_loss(mdl, batches, rng, ExitPolicy.UNIFORM, 0.0, a0_depth)
   tried = {}
-  for eps in sorted((float(e) for e in _EPS_GRID.value), reverse=True):
-    tried[eps] = _cached_loss(mdl, batches, rng, ExitPolicy.KL, eps, r_max)
+  grid = _EPS_GRID.value or _GRIDS[_POLICY.value]
+  for eps in sorted((float(e) for e in grid), reverse=True):
+    tried[eps] = _cached_loss(mdl, batches, rng, ExitPolicy(_POLICY.value), eps, r_max)
     print(f'quality: eps {eps:.0e} loss {tried[eps]:.4f} (A0 {a0:.4f})', flush=True)
     if tried[eps] <= a0 + _TOL.value:
       return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=True, tried=tried)
@@ -97,22 +104,34 @@ def _row(n_tok: int, sec: float, depth, a0=None) -> dict:
   return r
 
 
+def _interleaved(fns: dict, prompts, repeats: int) -> dict:
+  """Wall seconds per call of each fn, the variants alternating within every repeat."""
+  for fn in fns.values():
+    jax.block_until_ready(fn(prompts))  # compile and warm up
+  times = {k: [] for k in fns}
+  for _ in range(repeats):
+    for key, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(prompts))
+      times[key].append(time.perf_counter() - t0)
+  return times
+
+
 def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
   """A0, A1 depth-wise and A1 lockstep at batch b (times: medians)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
   prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
   a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
-  a1_cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=r_max)
+  a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max)
   fns = {'a0': jax.jit(lambda p: inference.generate(mdl, p, n, a0_cfg, rng)),
          'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
          'a1_lockstep': jax.jit(lambda p: inference.generate(mdl, p, n, a1_cfg, rng))}
-  rows = {}
+  rows, times = {}, _interleaved(fns, prompts, _F.repeats)
   for key, fn in fns.items():
-    t = bench_util.time_fn(fn, (prompts,), _F.repeats)
     out = fn(prompts)
     depth = out.depth if key == 'a1_depthwise' else out[1]
-    rows[key] = _row(b * n, t['median_s'], depth, rows.get('a0'))
-    rows[key]['min_s'] = t['min_s']
+    rows[key] = _row(b * n, statistics.median(times[key]), depth, rows.get('a0'))
+    rows[key]['min_s'] = min(times[key])
     if key == 'a1_depthwise':
       rows[key]['engine_steps'] = int(out.counts.steps)
       rows[key]['row_utilisation'] = int(out.counts.active_rows) / int(out.counts.core_rows)
@@ -125,7 +144,8 @@ def _markdown(doc: dict) -> str:
   q = doc['quality']
   lines = [f'# bench_generate --batch_sizes ({doc["date"]}, {doc["model"]})', '',
            f'machine: {doc["machine"]}; load average {doc["loadavg"]}', '',
-           (f'quality (cached semantics, val): A0 {q["a0_loss"]:.4f}, A1 {q["a1_loss"]:.4f} at '
+           (f'quality (cached semantics, val): A0 {q["a0_loss"]:.4f}, A1 ({q["policy"]}) '
+            f'{q["a1_loss"]:.4f} at '
             f'eps {q["eps"]:.0e} (matched: {q["matched"]})' if 'a0_loss' in q
             else f'no quality (random init), eps {q["eps"]:.2e}'), '',
            '| B | A0 tok/s | A1 depth-wise tok/s | A1 lockstep tok/s | loops A0 / A1 | '
@@ -149,7 +169,11 @@ def main(calibrate) -> None:
   if any(x < 1 for x in sizes):
     raise SystemExit(f'error: --batch_sizes must be >= 1, got {sizes}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  if _POLICY.value != 'kl' and not _F.workdir:
+    raise SystemExit('error: --exit_policy=state_delta needs --workdir (its eps is matched '
+                     'on validation quality; the random-init calibration is for KL)')
   mdl, pool, a0_depth, r_max, q, label = _setup(calibrate)
+  q['policy'] = _POLICY.value
   doc = dict(date=time.strftime('%Y-%m-%d %H:%M'), model=label, quality=q,
              machine=f'{jax.default_backend()} {os.cpu_count()} cores', loadavg=os.getloadavg(),
              new_tokens=_F.new_tokens, prompt_len=_F.prompt_len, a0_depth=a0_depth, r_max=r_max,

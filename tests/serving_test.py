@@ -96,6 +96,34 @@ def test_counts_equal_the_brute_force_schedule(setup):
   assert int(c.prelude_rows) == b * admits
 
 
+def test_state_change_rows_equal_their_own_generation():
+  """The check without a readout: each exit reads out once; rows equal their lockstep runs."""
+  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  prompts = jnp.asarray(PROMPTS, jnp.int32)
+  tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
+  eps_lo, eps_hi = _eps_between(list(np.asarray(tr['delta'])))
+  cfg = config.ExitConfig(policy='state_delta', eps=eps_hi, max_loops=R, min_loops=2)
+  eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
+  out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
+                                                  prompt_len_B=n))(
+      prompts, eps_B, jnp.asarray(PLEN, jnp.int32))
+  depth = np.asarray(out.depth)
+  assert len(np.unique(depth)) > 2  # ragged exits
+  gen = _alone(mdl, cfg, rng)
+  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
+    toks, d = gen(jnp.asarray([p[:n]], jnp.int32), eps_B[b])
+    np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
+    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(toks[0]))
+  steps, loops, ends = _schedule(depth)
+  finals = sum(any(i > 0 and ((t + 1) < len(loops) and loops[t + 1][b] in (0, 1)
+                              or t + 1 == len(loops)) for b, i in enumerate(ls))
+               for t, ls in enumerate(loops))
+  assert int(out.counts.steps) == steps
+  assert int(out.counts.readout_rows) == len(PROMPTS) * finals  # only exits read out
+
+
 def test_uniform_equals_lockstep_generation():
   """A0; with attention in the core only (prelude and coda blocks keep no cache)."""
   mdl = model_lib.LoopedLM(dataclasses.replace(tiny_cfg(), attention='core'), nnx.Rngs(2))
