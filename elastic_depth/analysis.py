@@ -21,7 +21,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from elastic_depth import inference, losses, policies
+from elastic_depth import decoding, inference, losses, policies
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
@@ -113,7 +113,7 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=1, gate=gate)
   toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
-  logits, depth, depth0, n = inference.score_cached(model, toks, 1, cfg, key, router,
+  logits, depth, depth0, n = decoding.score_cached(model, toks, 1, cfg, key, router,
                                                     with_counts=True)
   n = jax.tree.map(lambda x: x[..., :-1], n)  # drop the step that decodes the last target
   return losses.nll(logits, targets_BxL), n._replace(depth=jnp.concatenate([depth0, n.depth], 1))

@@ -4,8 +4,8 @@
   python -m experiments.bench_generate --batch_sizes=1,8,32    # random init: no quality
 
 Per batch size, on the same prompts and in one process: A0 at uniform depth
-(inference.generate, lockstep: nothing to wait for), A1 through serving.generate (each
-row exits per token on its own) and A1 in lockstep (inference.generate: every token runs
+(decoding.generate, lockstep: nothing to wait for), A1 through serving.generate (each
+row exits per token on its own) and A1 in lockstep (decoding.generate: every token runs
 to the batch's deepest). Reported: tokens/s, mean loops, the loop saving
 1 - loops(A1) / loops(A0), the realized time saving 1 - t(A1) / t(A0) and their ratio.
 With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forced loss in
@@ -23,7 +23,7 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, model as model_lib, serving
+from elastic_depth import analysis, config, decoding, model as model_lib, serving
 from elastic_depth.config import ExitPolicy
 from experiments import bench_util, common
 
@@ -103,9 +103,9 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
   prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
   a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
   a1_cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=r_max)
-  fns = {'a0': jax.jit(lambda p: inference.generate(mdl, p, n, a0_cfg, rng)),
+  fns = {'a0': jax.jit(lambda p: decoding.generate(mdl, p, n, a0_cfg, rng)),
          'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
-         'a1_lockstep': jax.jit(lambda p: inference.generate(mdl, p, n, a1_cfg, rng))}
+         'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
   rows = {}
   for key, fn in fns.items():
     t = bench_util.time_fn(fn, (prompts,), _F.repeats)
