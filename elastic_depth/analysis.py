@@ -12,7 +12,6 @@ output at uniform depth i, so `trace.stats['nll'][i - 1]` is the loss at depth i
 
 import dataclasses
 import functools
-import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -21,7 +20,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from elastic_depth import decoding, inference, losses, policies
+from elastic_depth import decoding, inference, losses, policies, timing
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
@@ -462,18 +461,12 @@ def wall_clock(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
   eps = {'policy': jnp.float32(threshold), 'a0': jnp.float32(0.0)}
 
   def once(name):
-    t0 = time.perf_counter()
     for k, b in enumerate(batches):
       jax.block_until_ready(fns[name](
           model, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
           batch_key(rng, k), eps[name], curve.router, jnp.asarray(b['mask'], jnp.float32)))
-    return time.perf_counter() - t0
-  times = {'policy': [], 'a0': []}
-  with jax.default_matmul_precision('highest'):
-    once('policy'), once('a0')  # compile
-    for _ in range(repeats):
-      for name in times:
-        times[name].append(once(name))
-  med = {k: float(np.median(v)) for k, v in times.items()}
+  with jax.default_matmul_precision('highest'):  # one warm-up round compiles
+    t = timing.interleaved({k: functools.partial(once, k) for k in fns}, repeats)
+  med = {k: float(np.median(v)) for k, v in t.times.items()}
   return {'a0_depth': depth, 'a0_s': med['a0'], 'policy_s': med['policy'],
           'saving': 1.0 - med['policy'] / med['a0'], 'repeats': repeats}
