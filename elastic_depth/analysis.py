@@ -12,7 +12,6 @@ output at uniform depth i, so `trace.stats['nll'][i - 1]` is the loss at depth i
 
 import dataclasses
 import functools
-import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -21,7 +20,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from elastic_depth import books, inference, losses, policies
+from elastic_depth import books, decoding, inference, losses, policies, timing
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
@@ -113,7 +112,7 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
                    max_loops=r_max, check_every=check_every, gate=gate)
   toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
-  logits, depth, depth0, n = inference.score_cached(model, toks, 1, cfg, key, router,
+  logits, depth, depth0, n = decoding.score_cached(model, toks, 1, cfg, key, router,
                                                     with_counts=True)
   n = jax.tree.map(lambda x: x[..., :-1], n)  # drop the step that decodes the last target
   return losses.nll(logits, targets_BxL), n._replace(depth=jnp.concatenate([depth0, n.depth], 1))
@@ -472,18 +471,12 @@ def wall_clock(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
   eps = {'policy': jnp.float32(threshold), 'a0': jnp.float32(0.0)}
 
   def once(name):
-    t0 = time.perf_counter()
     for k, b in enumerate(batches):
       jax.block_until_ready(fns[name](
           model, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
           batch_key(rng, k), eps[name], curve.router, jnp.asarray(b['mask'], jnp.float32)))
-    return time.perf_counter() - t0
-  times = {'policy': [], 'a0': []}
-  with jax.default_matmul_precision('highest'):
-    once('policy'), once('a0')  # compile
-    for _ in range(repeats):
-      for name in times:
-        times[name].append(once(name))
-  med = {k: float(np.median(v)) for k, v in times.items()}
+  with jax.default_matmul_precision('highest'):  # one warm-up round compiles
+    t = timing.interleaved({k: functools.partial(once, k) for k in fns}, repeats)
+  med = {k: float(np.median(v)) for k, v in t.times.items()}
   return {'a0_depth': depth, 'a0_s': med['a0'], 'policy_s': med['policy'],
           'saving': 1.0 - med['policy'] / med['a0'], 'repeats': repeats}

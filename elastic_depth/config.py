@@ -31,7 +31,7 @@ class ExitPolicy(str, enum.Enum):
 class Semantics(str, enum.Enum):
   """How teacher-forced quality is measured (inference.py's two semantics)."""
   PARALLEL = 'parallel'  # inference.score: all positions together
-  CACHED = 'cached'      # inference.score_cached: token by token through decode_step
+  CACHED = 'cached'      # decoding.score_cached: token by token through decode_step
 
 
 class AttentionIn(str, enum.Enum):

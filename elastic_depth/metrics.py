@@ -18,17 +18,13 @@ PEAK_BF16_FLOPS = (
 
 def measure_matmul_peak(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:
   """Achieved FLOP/s of a large square matmul on the default device (median); benchmarks."""
-  import statistics, time  # pylint: disable=g-import-not-at-top,multiple-imports
+  import statistics  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from elastic_depth import timing  # pylint: disable=g-import-not-at-top
   a = jnp.ones((n, n), dtype)
   f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
+  times = timing.interleaved({'matmul': lambda: f(a)}, repeats).times['matmul']
   return 2 * n ** 3 / statistics.median(times)
 
 

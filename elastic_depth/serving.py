@@ -1,6 +1,6 @@
 """Depth-wise batched generation: rows do not wait for the slowest row's depth.
 
-`inference.generate` decodes a batch in lockstep: every token of every row runs until
+`decoding.generate` decodes a batch in lockstep: every token of every row runs until
 the batch's deepest token exits. Here each engine step runs ONE core loop over every
 row's in-flight token. A row whose token exits (its KL check fires, or it reaches
 max_loops) reads out its logits, picks its next token, runs the prelude on it and
@@ -9,7 +9,7 @@ their own tokens; a row that has produced its n_new tokens is idle. Rows therefo
 sit at different positions: per-row positions, cache writes and attention masks. The
 core runs over all B rows at every step (idle rows masked): there is no compaction.
 
-Per row the semantics are exactly `inference.generate`'s (cached semantics, the same
+Per row the semantics are exactly `decoding.generate`'s (cached semantics, the same
 initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
 tokens and depths do not depend on the other rows. Each row may carry its own eps
 (a quality tier per request). The check is decode_step's: where a row may exit (a check
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import inference, losses, policies
+from elastic_depth import decoding, inference, losses, policies
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM
 
@@ -55,7 +55,7 @@ class Generation(NamedTuple):
 
 class State(NamedTuple):
   """The while_loop carry: the cache and each row's in-flight token."""
-  cache: inference.Cache
+  cache: decoding.Cache
   s: jax.Array             # [B, 1, D] state of the in-flight token
   e: jax.Array             # [B, 1, D] its prelude output
   pos: jax.Array           # [B] its position
@@ -89,7 +89,7 @@ def _run_cached(call, caches, pos_B, write_B):
 
 
 def _pick(logits_BxV, pos_B, rng, temperature: float):
-  """Each row's token at pos_B; sampling keys as inference.generate's (per position)."""
+  """Each row's token at pos_B; sampling keys as decoding.generate's (per position)."""
   if temperature <= 0:
     return jnp.argmax(logits_BxV, -1).astype(jnp.int32)
   keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
@@ -118,12 +118,8 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float) -
 
 
 def _is_check(cfg: ExitConfig, i):
-  """Loops whose KL check decoding consults (as in inference._gated_kl_check)."""
+  """Loops whose KL check decoding consults (as in decoding._gated_kl_check)."""
   return (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
-
-
-def _max_loops(cfg: ExitConfig) -> int:
-  return cfg.depth if cfg.policy == ExitPolicy.UNIFORM else cfg.max_loops
 
 
 def _pair_kv(cache_kv, pos_B, fresh: list):
@@ -191,7 +187,7 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
   fire, ran, logits, kv = _check(model, cfg, st, s_new, act, i, eps_B)
-  done = fire | (act & (i >= _max_loops(cfg)))
+  done = fire | (act & (i >= inference.loop_cap(cfg)))
   logits, kv = _final(model, st, s_new, done & ~ran, logits, kv)
   rows = jnp.arange(act.shape[0])
   coda = [_row_kv(c, st.pos, done, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
@@ -235,7 +231,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     rng: key of the initial recurrent states (and of sampling).
     eps_B: per-row KL thresholds (default cfg.eps for every row).
     prompt_len_B: per-row prompt lengths (default P).
-    temperature: 0 for greedy; else sampling with inference.generate's per-position keys.
+    temperature: 0 for greedy; else sampling with decoding.generate's per-position keys.
   Returns:
     (State with each row's first token admitted, prompt depths [B, P], eps_B); `run`
     advances the State.
@@ -246,11 +242,11 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   plen_B = jnp.full((b,), p, jnp.int32) if prompt_len_B is None else jnp.asarray(prompt_len_B)
   pcfg = dataclasses.replace(cfg, eps=eps_B[:, None])  # policies compare kl < eps per row
   res = inference.score(model, prompt_BxP, pcfg, rng)
-  cache = inference.init_cache(model, b, p + n_new)
+  cache = decoding.init_cache(model, b, p + n_new)
   rows = jnp.arange(b)
   fill = lambda caches, kvs: [tuple(c.at[:, :p].set(x.astype(c.dtype)) for c, x in zip(ck, kv))
                                for ck, kv in zip(caches, kvs)]
-  cache = inference.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
+  cache = decoding.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
                           fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
   st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
@@ -272,7 +268,7 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              eps_B=None, prompt_len_B=None, temperature: float = 0.0) -> Generation:
-  """Depth-wise batched generation; per row equal to inference.generate with its eps.
+  """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
   Args: as `start`.
   Returns:

@@ -46,12 +46,7 @@ _SPARSE_TOKENS = flags.DEFINE_integer('sparse_tokens', 2**31, 'Tokens of the spa
 
 def median_time(fn, repeats: int) -> float:
   """Median wall seconds of fn() over `repeats` calls."""
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return bench_util.time_fn(fn, (), repeats, warmup=0)['median_s']
 
 
 def _encode_child(docs, tokenizer: str, threads: bool) -> float:

@@ -24,6 +24,7 @@ realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against
 """
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -34,7 +35,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, model as model_lib, recurrence
+from elastic_depth import analysis, config, inference, model as model_lib, recurrence, timing
 from experiments import bench_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
@@ -98,14 +99,8 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   ecfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=depth)
   fns = _variants(mdl, depth, ecfg, sched)
   outs = {k: jax.block_until_ready(f(toks)) for k, f in fns.items()}  # compile + warm
-  times = {k: [] for k in fns}
-  loads = []
-  for _ in range(_REPEATS.value):
-    loads.append(os.getloadavg()[0])
-    for k, f in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(toks))
-      times[k].append(time.perf_counter() - t0)
+  times, loads = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
+                                    _REPEATS.value, warmup=0)
   med = {k: statistics.median(v) for k, v in times.items()}
   m, c = outs['a1_masked'].aux, outs['a1_compact'].aux
   assert np.array_equal(np.asarray(m.depth), np.asarray(c.depth)), 'engines disagree'

@@ -13,10 +13,11 @@ random-init model is used and exits are controlled through eps:
 Shapes come from `bench_util.MODEL_SHAPES`.
 
 With --batch_sizes=1,8,32 the batched comparison runs instead (bench_generate_batch.py):
-A0 at uniform depth (inference.generate) against A1 through the depth-wise engine
-(serving.generate) and A1 in lockstep (inference.generate), per batch size. The reference implementation's figures
-(Huginn with KL exit, experiments/reference_figures.json) were measured elsewhere: the
-`vs_reference` ratio is indicative, not a side-by-side measurement.
+A0 at uniform depth (decoding.generate) against A1 through the depth-wise engine
+(serving.generate) and A1 in lockstep (decoding.generate), per batch size. The
+reference implementation's figures (Huginn with KL exit, experiments/reference_figures.json)
+were measured elsewhere: the `vs_reference` ratio is indicative, not a side-by-side
+measurement.
 """
 
 import os
@@ -28,7 +29,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from elastic_depth import config, inference, losses, model as model_lib
+from elastic_depth import config, decoding, inference, losses, model as model_lib
 from experiments import bench_generate_batch, bench_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Shapes to run (bench_util.MODEL_SHAPES).')
@@ -99,7 +100,7 @@ def bench_shape(name: str) -> dict:
   }
   rows = {}
   for key, ecfg in variants.items():
-    gen = jax.jit(lambda p, ecfg=ecfg: inference.generate(mdl, p, _NEW.value, ecfg,
+    gen = jax.jit(lambda p, ecfg=ecfg: decoding.generate(mdl, p, _NEW.value, ecfg,
                                                           jax.random.key(0)))
     sec = _median_time(gen, prompt, repeats=_REPEATS.value)
     _, depth = gen(prompt)

@@ -4,8 +4,8 @@
   python -m experiments.bench_generate --batch_sizes=1,8,32    # random init: no quality
 
 Per batch size, on the same prompts and in one process: A0 at uniform depth
-(inference.generate, lockstep: nothing to wait for), A1 through serving.generate (each
-row exits per token on its own) and A1 in lockstep (inference.generate: every token runs
+(decoding.generate, lockstep: nothing to wait for), A1 through serving.generate (each
+row exits per token on its own) and A1 in lockstep (decoding.generate: every token runs
 to the batch's deepest). Reported: tokens/s, mean loops, the loop saving
 1 - loops(A1) / loops(A0), the realized time saving 1 - t(A1) / t(A0) and their ratio.
 With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forced loss in
@@ -14,6 +14,7 @@ cached semantics (analysis.cached_outputs, the semantics generation runs in) is 
 a workdir a random-init shape gives throughput only, labelled "no quality".
 """
 
+import functools
 import os
 import statistics
 import time
@@ -24,7 +25,7 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, model as model_lib, serving
+from elastic_depth import analysis, config, decoding, model as model_lib, serving, timing
 from elastic_depth.config import ExitPolicy
 from experiments import bench_util, common
 
@@ -104,29 +105,18 @@ def _row(n_tok: int, sec: float, depth, a0=None) -> dict:
   return r
 
 
-def _interleaved(fns: dict, prompts, repeats: int) -> dict:
-  """Wall seconds per call of each fn, the variants alternating within every repeat."""
-  for fn in fns.values():
-    jax.block_until_ready(fn(prompts))  # compile and warm up
-  times = {k: [] for k in fns}
-  for _ in range(repeats):
-    for key, fn in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(prompts))
-      times[key].append(time.perf_counter() - t0)
-  return times
-
-
 def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
   """A0, A1 depth-wise and A1 lockstep at batch b (times: medians)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
   prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
   a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
   a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max)
-  fns = {'a0': jax.jit(lambda p: inference.generate(mdl, p, n, a0_cfg, rng)),
+  fns = {'a0': jax.jit(lambda p: decoding.generate(mdl, p, n, a0_cfg, rng)),
          'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
-         'a1_lockstep': jax.jit(lambda p: inference.generate(mdl, p, n, a1_cfg, rng))}
-  rows, times = {}, _interleaved(fns, prompts, _F.repeats)
+         'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
+  rows = {}
+  times = timing.interleaved({k: functools.partial(f, prompts) for k, f in fns.items()},
+                              _F.repeats).times
   for key, fn in fns.items():
     out = fn(prompts)
     depth = out.depth if key == 'a1_depthwise' else out[1]

@@ -4,9 +4,8 @@ import json
 import os
 import platform
 import statistics
-import time
 
-import jax
+from elastic_depth import timing
 
 from elastic_depth import config
 
@@ -20,14 +19,9 @@ def write_json(path: str, doc: dict, echo: bool = False) -> None:
     print(json.dumps(doc, indent=1, default=str))
 
 
-def time_fn(fn, args, repeats):
-  """Median / min wall seconds of fn(*args) after one warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
+def time_fn(fn, args, repeats, warmup: int = 1):
+  """Median / min wall seconds of fn(*args) after `warmup` untimed calls."""
+  times = timing.interleaved({'fn': lambda: fn(*args)}, repeats, warmup).times['fn']
   return {'median_s': statistics.median(times), 'min_s': min(times),
           'repeats': repeats}
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import config, inference, policies, recurrence
+from elastic_depth import config, decoding, inference, policies, recurrence
 from elastic_depth import model as model_lib
 from elastic_depth.kernels import kl_halting
 
@@ -140,13 +140,13 @@ def test_decode_counts_match_executed_work(mdl, events, policy, gate):
   toks = jnp.asarray(np.random.default_rng(2).integers(0, 40, (B, 5)), jnp.int32)
   rng = jax.random.key(1)
   cfg = exit_cfg(policy, 1e-3, gate=gate)
-  cache, _, _ = inference.prefill(mdl, toks[:, :3], cfg, rng, 8)
+  cache, _, _ = decoding.prefill(mdl, toks[:, :3], cfg, rng, 8)
   seen = set()
   for eps in (1e-4, 1e-1):
     cfg = exit_cfg(policy, eps, gate=gate)
     jax.effects_barrier()
     events.clear()
-    _, _, depth, counts = inference.decode_step(mdl, cache, toks[:, 3], 3, cfg, rng,
+    _, _, depth, counts = decoding.decode_step(mdl, cache, toks[:, 3], 3, cfg, rng,
                                                 with_counts=True)
     jax.effects_barrier()
     depth = np.asarray(depth)[:, None]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, losses, policies
+from elastic_depth import analysis, config, decoding, inference, losses, policies
 from elastic_depth import model as model_lib
 
 R, B, L = 6, 2, 8
@@ -240,11 +240,13 @@ def test_cached_semantics_curve(setup):
   f = model_lib.flops_per_token(mdl.cfg, 0, L)
   assert c['flops_active'][0] == pytest.approx(f['prelude'] + 2 * f['loop'] + 2 * f['coda_head'])
   cfg = config.ExitConfig(policy='kl', eps=1e9, max_loops=R)
+  # jitted once (eager, the scan over decode steps compiles again for every batch)
+  score = jax.jit(lambda t, key: decoding.score_cached(mdl, t, 1, cfg, key))
   nll, mask = [], []
   for k, b in enumerate(batches):
     toks = jnp.concatenate([jnp.asarray(b['inputs']), jnp.asarray(b['targets'])[:, -1:]], 1)
     with jax.default_matmul_precision('highest'):
-      logits, _, _ = inference.score_cached(mdl, toks, 1, cfg, analysis.batch_key(rng, k))
+      logits, _, _ = score(toks, analysis.batch_key(rng, k))
     nll.append(np.asarray(losses.nll(logits, jnp.asarray(b['targets']))))
     mask.append(b['mask'])
   nll, mask = np.concatenate(nll), np.concatenate(mask)

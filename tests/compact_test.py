@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import config, inference, model as model_lib, policies, recurrence
+from elastic_depth import config, decoding, inference, model as model_lib, policies, recurrence
 
 B, L, R = 2, 8, 6
 STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_change',
@@ -98,7 +98,7 @@ def test_prefill_with_compacted_engine_fills_the_same_cache(setup):
   caches = []
   for engine in ('masked', 'compacted'):
     cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=R, engine=engine)
-    caches.append(jax.jit(lambda t, c=cfg: inference.prefill(
+    caches.append(jax.jit(lambda t, c=cfg: decoding.prefill(
         models[1], t, c, jax.random.key(0), 8))(toks[:, :4]))
   (c1, last1, d1), (c2, last2, d2) = caches
   np.testing.assert_array_equal(np.asarray(d2), np.asarray(d1))

@@ -1,4 +1,5 @@
-"""Shared tiny configurations for the model, recurrence, policy and train-step tests.
+"""Shared tiny configurations (model, recurrence, policy, train-step tests) and the
+float64 / brute-force helpers of the early-exit tests.
 
 Compilation dominates the runtime of these tests, so every shape here is as small
 as still exercises the code paths (GQA with 2 query heads per kv head, a prelude,
@@ -9,10 +10,12 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from elastic_depth import config as config_lib
+from elastic_depth import inference
 
 
 def tiny_model_config(**overrides) -> config_lib.ModelConfig:
@@ -21,6 +24,11 @@ def tiny_model_config(**overrides) -> config_lib.ModelConfig:
       vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
       n_prelude=1, n_core=2, n_coda=1, max_len=64)
   return dataclasses.replace(base, **overrides)
+
+
+def exit_model_config() -> config_lib.ModelConfig:
+  """tiny_model_config with vocab 48 and init_std 0.1 (the early-exit tests' model)."""
+  return tiny_model_config(vocab_size=48, init_std=0.1)
 
 
 def tiny_config(model=None, depth=None, train=None) -> config_lib.Config:
@@ -56,6 +64,42 @@ def random_batch(cfg: config_lib.Config, seed: int, batch_size=None, mask_frac=0
   mask[:, 0] = 1.0  # never an empty micro-batch
   return dict(inputs=rng.integers(0, v, shape).astype(np.int32),
               targets=rng.integers(0, v, shape).astype(np.int32), mask=mask)
+
+
+def kl_np(h_new, h_old, w):
+  """KL(p_new || p_old) per row in float64."""
+  a = np.asarray(h_new, np.float64) @ np.asarray(w, np.float64).T
+  b = np.asarray(h_old, np.float64) @ np.asarray(w, np.float64).T
+  la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
+  lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
+  return np.sum(np.exp(la) * (la - lb), axis=-1)
+
+
+def attend_list(ks, vs):
+  """kv_fn attending to an explicit list of earlier (k, v) plus the new one."""
+  def fn(k, v):
+    kk = jnp.concatenate(ks + [k], axis=1)
+    vv = jnp.concatenate(vs + [v], axis=1)
+    return kk, vv, jnp.ones((1, 1, 1, kk.shape[1]), bool)
+  return fn
+
+
+def safe_eps(kls):
+  """A threshold far (in log space) from every observed KL, near their median."""
+  v = np.sort(np.concatenate([k[np.isfinite(k)] for k in kls[1:]]))
+  logs = np.log(v)
+  mid = len(v) // 2
+  window = range(max(mid - len(v) // 4, 0), min(mid + len(v) // 4, len(v) - 1))
+  j = max(window, key=lambda i: logs[i + 1] - logs[i])
+  return float(np.exp(0.5 * (logs[j] + logs[j + 1])))
+
+
+def median_kl_cfg(mdl, toks, rng, max_loops: int) -> config_lib.ExitConfig:
+  """A KL exit config whose eps is the median per-loop KL (loops >= 3) of a uniform run."""
+  tr = inference.score(mdl, toks, config_lib.ExitConfig(policy='uniform', depth=max_loops),
+                       rng, trace=True).traces
+  return config_lib.ExitConfig(policy='kl', eps=float(np.median(np.asarray(tr['kl'][2:]))),
+                               max_loops=max_loops)
 
 
 @functools.cache

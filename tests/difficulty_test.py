@@ -2,7 +2,6 @@
 need more permutations exit later, by a margin no depth-independent model could show."""
 
 import jax
-import pytest
 
 from elastic_depth import config as config_lib, difficulty, train
 from experiments import common
@@ -24,25 +23,25 @@ def _config() -> config_lib.Config:
                                    eval_batches=1, eval_depths=(1, 4)))
 
 
-@pytest.fixture(scope='module')
-def report(tmp_path_factory):
-  wd = str(tmp_path_factory.mktemp('chain'))
+def _report(root) -> dict:
+  """difficulty.report of the chain model trained in root."""
+  wd = str(root)
   train.run(_config(), wd, quiet=True)
   ld = common.load(common.Options(workdir=wd, batches=4, progress=False))
   return difficulty.report(ld.model, ld.batches, jax.random.key(0), R_MAX, 4.0,
                            eps_grid=[1e-4, 1e-3, 1e-2, 1e-1])
 
 
-def test_exit_depth_rises_with_k(report):
+def test_exit_depth_rises_with_k_and_depth_is_used_by_the_hard_answers(tmp_path):
+  """One test over one training run (a module fixture would be rebuilt on each xdist worker)."""
+  report = _report(tmp_path)
   exit_k = report['a1']['kl_answers']['exit_depth_a1']
   assert report['k'] == list(range(1, len(exit_k) + 1)) and len(exit_k) >= 2
   assert all(a < b for a, b in zip(exit_k, exit_k[1:])), exit_k
   # a model whose output does not depend on depth exits every token at loop 2 (the
   # first KL check): its exit depths cannot differ by k
   assert exit_k[-1] - exit_k[0] >= 0.5, exit_k
-
-
-def test_depth_is_used_by_the_hard_answers(report):
+  # depth is used by the hard answers
   r1, ref = report['loss_depth1'], report['loss_train_mean']
   assert r1[-1] - ref[-1] >= 0.5, (r1, ref)  # no recurrence: r1 == ref
   assert ref[0] < 0.5, ref  # the easiest level is learned

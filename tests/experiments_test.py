@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from elastic_depth import calibrate, checkpoint, config as config_lib, inference, train
+from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, train
 from elastic_depth.data import synthetic
 from elastic_depth import router as router_lib
 from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
@@ -195,7 +195,7 @@ def test_bench_exit_on_a_checkpoint_matches_quality_then_times(workdir, tmp_path
 
 
 def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
-  """experiments.generate prints inference.generate's greedy tokens with their depths."""
+  """experiments.generate prints decoding.generate's greedy tokens with their depths."""
   cmd = [sys.executable, '-m', 'experiments.generate', f'--workdir={workdir}',
          '--prompt=? 3 1 4 =', '--max_new_tokens=4', '--eps=1e-3', '--show_depths']
   out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
@@ -205,7 +205,7 @@ def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
   vocab = synthetic.SyntheticVocab(cfg.data.synth_num_vars)
   prompt = jnp.asarray(vocab.encode_batch(['? 3 1 4 ='])[0][None])
   ecfg = config_lib.ExitConfig(policy='kl', eps=1e-3, max_loops=cfg.depth.r_max)
-  toks, depth = inference.generate(mdl, prompt, 4, ecfg, jax.random.key(0))
+  toks, depth = decoding.generate(mdl, prompt, 4, ecfg, jax.random.key(0))
   assert [p[0] for p in pieces] == [vocab.id_to_token(t) for t in toks[0, 5:]]
   assert [int(p[1]) for p in pieces] == [int(d) for d in depth[0]]
   bad = subprocess.run(cmd[:5] + ['--max_new_tokens=0'], cwd=REPO, capture_output=True,

@@ -16,7 +16,7 @@ import safetensors.numpy as stn
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
-from elastic_depth import checkpoint, huginn, inference, snapshot
+from elastic_depth import checkpoint, decoding, huginn, snapshot
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig
 from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
@@ -201,7 +201,7 @@ def test_generation_with_per_token_exit_runs_on_the_imported_model(loaded):
   _, mdl, _, _ = loaded
   prompt = jnp.asarray(_load('tokens.npy')[:, :6])
   always = ExitConfig(policy='kl', eps=1e9, min_loops=1, max_loops=4)  # exit at first check
-  toks, depth = jax.jit(lambda p: inference.generate(mdl, p, 3, always,
+  toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 3, always,
                                                      jax.random.key(0)))(prompt)
   assert toks.shape == (2, 9) and (np.asarray(toks[:, :6]) == np.asarray(prompt)).all()
   assert (np.asarray(depth) == 2).all()  # KL needs two loops; max_loops is 4

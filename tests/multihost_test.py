@@ -77,9 +77,8 @@ def _two_processes(workdir, extra=()):
   return [_wait(p) for p in procs]
 
 
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-  root = tmp_path_factory.mktemp('multihost')
+def _runs(root) -> dict:
+  """Losses of the five runs: 2 processes x 2 devices, 1 x 4, 1 x 1, fsdp 4, resume."""
   wd = {k: str(root / k) for k in ('p2', 'd4', 'd1', 'fsdp4', 'resume')}
   _two_processes(wd['p2'])
   singles = [_start(wd['d4'], 4), _start(wd['d1'], 1),
@@ -100,17 +99,16 @@ def _assert_same(a: dict, b: dict, steps):
     assert a[s] == pytest.approx(b[s], rel=2e-5, abs=1e-6), s
 
 
-def test_two_processes_equal_four_devices_and_one(runs):
+def test_two_processes_fsdp_and_a_resume_equal_one_device(tmp_path):
+  """One test over the five runs (a module fixture would be rebuilt on each xdist worker)."""
+  runs = _runs(tmp_path)
+  # two processes equal four devices and one
   _assert_same(runs['p2'], runs['d4'], range(1, STEPS + 1))
   _assert_same(runs['p2'], runs['d1'], range(1, STEPS + 1))
   assert runs['d1'][1] - runs['d1'][STEPS] > 0.05  # it trained: a real comparison
-
-
-def test_fsdp_equals_one_device(runs):
+  # fsdp equals one device
   _assert_same(runs['fsdp4'], runs['d1'], range(1, STEPS + 1))
-
-
-def test_two_process_checkpoint_resumes_on_one_device(runs):
+  # the two-process checkpoint resumes on one device
   assert min(runs['resume']) == 11
   _assert_same(runs['resume'], runs['p2'], range(11, STEPS + 1))
 

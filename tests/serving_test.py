@@ -1,4 +1,4 @@
-"""Depth-wise batched generation against per-row inference.generate and a brute-force schedule."""
+"""Depth-wise batched generation against per-row decoding.generate and a brute-force schedule."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import config, inference, model as model_lib, serving
+from elastic_depth import config, decoding, inference, model as model_lib, serving
 
 R, N = 8, 5  # max loops, new tokens per row
 PROMPTS = [[3, 17, 5, 9], [40, 2, 31, 0], [1, 2, 3, 4]]  # row 1 has 3 tokens + padding
@@ -50,8 +50,8 @@ def setup():
 
 
 def _alone(mdl, cfg, rng):
-  """inference.generate of one row (eps traced: one compilation per prompt length)."""
-  return jax.jit(lambda p, eps: inference.generate(
+  """decoding.generate of one row (eps traced: one compilation per prompt length)."""
+  return jax.jit(lambda p, eps: decoding.generate(
       mdl, p, N, dataclasses.replace(cfg, eps=eps), rng))
 
 
@@ -131,7 +131,7 @@ def test_uniform_equals_lockstep_generation():
   cfg = config.ExitConfig(policy='uniform', depth=3)
   prompts = jnp.asarray(PROMPTS, jnp.int32)
   out = jax.jit(lambda p: serving.generate(mdl, p, N, cfg, rng))(prompts)
-  toks, depth = jax.jit(lambda p: inference.generate(mdl, p, N, cfg, rng))(prompts)
+  toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, N, cfg, rng))(prompts)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(toks))
   np.testing.assert_array_equal(np.asarray(out.depth), np.asarray(depth))
   assert int(out.counts.steps) == 3 * N

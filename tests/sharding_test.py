@@ -55,8 +55,8 @@ print('RESULT' + json.dumps(out))
 '''
 
 
-@pytest.fixture(scope='module')
-def result():
+def _result() -> dict:
+  """Both meshes' shards, metrics and parameters from the 4-device subprocess."""
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') +
                         ' --xla_force_host_platform_device_count=4').strip())
@@ -68,7 +68,9 @@ def result():
   return json.loads(lines[0][len('RESULT'):])
 
 
-def test_four_devices_really_shard_the_batch(result):
+def test_four_devices_really_shard_the_batch_and_train_like_one_device():
+  """One test over one subprocess (a module fixture would be rebuilt on each xdist worker)."""
+  result = _result()
   assert result['device_count'] == 4
   for shape, shard, n in result['mesh4']['shards']:
     assert shape == [2, 4, 8] and shard == [2, 1, 8] and n == 4
@@ -77,9 +79,7 @@ def test_four_devices_really_shard_the_batch(result):
   assert result['mesh4']['params_devices'] == 4
   assert result['mesh4']['params_replicated'] and result['mesh1']['params_replicated']
   assert result['mesh4']['step_cache'] == result['mesh1']['step_cache'] == 1
-
-
-def test_four_device_training_equals_one_device(result):
+  # four-device training equals one device
   m4, m1 = result['mesh4'], result['mesh1']
   for a, b in zip(m4['metrics'], m1['metrics']):
     assert a['depth'] == b['depth'] and a['tokens'] == b['tokens']

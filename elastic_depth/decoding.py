@@ -1,0 +1,224 @@
+"""Autoregressive decoding of a frozen looped LM with a KV cache whose size does not
+depend on the loops (cached semantics, documented in WORKSPACE.md).
+
+One new token at a time (`decode_step`, `generate`, `score_cached`): in every core block
+it attends to the keys/values that earlier tokens offered at their last executed loop
+(one cache slot per token and block, overwritten each loop: Huginn-style KV sharing).
+The prompt is prefilled in parallel semantics (`inference.score`).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from elastic_depth import inference, losses, policies, recurrence
+from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth.model import LoopedLM
+
+
+class Cache(NamedTuple):
+  """Per block (k, v) of shape [B, S, G, K] for prelude, core and coda blocks."""
+  prelude: list
+  core: list
+  coda: list
+
+
+def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
+  """An all-zero cache for max_len positions (size independent of the loop count)."""
+  c = model.cfg
+  z = lambda: (jnp.zeros((batch, max_len, c.num_kv_heads, c.head_dim), model.dtype),) * 2
+  return Cache([z() for _ in range(c.n_prelude)], [z() for _ in range(c.n_core)],
+               [z() for _ in range(c.n_coda)])
+
+
+def _write(cache_kv, kv, start):
+  k, v = cache_kv
+  return (lax.dynamic_update_slice_in_dim(k, kv[0].astype(k.dtype), start, 1),
+          lax.dynamic_update_slice_in_dim(v, kv[1].astype(v.dtype), start, 1))
+
+
+def _cached(cache_kv, pos, keep_B=None):
+  """kv_fn writing the new token's (k, v) at pos and attending to positions <= pos."""
+  def fn(k, v):
+    if keep_B is not None:  # inactive rows keep the slot of their last executed loop
+      old_k = lax.dynamic_slice_in_dim(cache_kv[0], pos, 1, 1)
+      old_v = lax.dynamic_slice_in_dim(cache_kv[1], pos, 1, 1)
+      m = keep_B[:, None, None, None]
+      k, v = jnp.where(m, old_k, k), jnp.where(m, old_v, v)
+    ks, vs = _write(cache_kv, (k, v), pos)
+    s = ks.shape[1]
+    mask = (jnp.arange(s) <= pos)[None, None, None, :]
+    return ks, vs, mask
+  return fn
+
+
+def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
+            router=None):
+  """Runs the prompt in parallel semantics and fills a cache of max_len positions."""
+  res = inference.score(model, prompt_BxP, cfg, rng, router=router)
+  cache = init_cache(model, prompt_BxP.shape[0], max_len)
+  cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, res.prelude_kv)],
+                [_write(c, kv, 0) for c, kv in zip(cache.core, res.kv)],
+                [_write(c, kv, 0) for c, kv in zip(cache.coda, res.coda_kv)])
+  return cache, res.logits[:, -1], res.depth
+
+
+def _pair_cached(cache_kv, pos):
+  """kv_fn for two queries at one position (states of loops i-1 and i) over the cache."""
+  def fn(k, v):  # k, v: [B, 2, G, K]
+    ks = jnp.concatenate([cache_kv[0], k.astype(cache_kv[0].dtype)], axis=1)
+    vs = jnp.concatenate([cache_kv[1], v.astype(cache_kv[1].dtype)], axis=1)
+    s = cache_kv[0].shape[1]
+    old = jnp.broadcast_to(jnp.arange(s) < pos, (2, s))
+    return ks, vs, jnp.concatenate([old, jnp.eye(2, dtype=bool)], axis=1)[None, None]
+  return fn
+
+
+def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
+                router=None, with_counts: bool = False):
+  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]).
+
+  For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
+  pass over the coda and head (one weight read for both), runs only when the
+  relative state change is below cfg.gate (policy gated_kl), and the logits of a
+  successful check are the token's output, so the final readout costs nothing extra.
+  """
+  tok = token_B[:, None]
+  pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
+  e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
+  s0 = model.initial_state(e, rng, pos_Bx1)  # as in the parallel forward
+
+  def masked_step(s, core_kv, active_Bx1):
+    fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
+    return model.core_step(s, e, pos_Bx1, fns)
+
+  def readout(s):
+    return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
+
+  fast = cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None
+  if fast:
+    check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
+  else:
+    check_fn, carry0 = policies.make_check_fn(
+        cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
+        w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel,
+        min_loops=cfg.min_loops, check_every=cfg.check_every)
+    carry = carry0(s0)
+  res = recurrence.early_exit(
+      masked_step, check_fn, s0, cache.core, carry, min_loops=cfg.min_loops,
+      max_loops=inference.loop_cap(cfg), check_every=cfg.check_every, return_check=True)
+
+  def final_readout(_):
+    h, coda_kv = readout(res.state)
+    take = lambda x: lax.dynamic_slice_in_dim(x, pos, 1, 1)
+    return model.logits(h)[:, 0], [(take(k), take(v)) for k, v in coda_kv]
+  if fast:
+    logits_c, kv_c, fresh, books = res.check
+    final = jnp.logical_not(jnp.all(fresh))
+    logits, new_kv = lax.cond(final, final_readout, lambda _: (logits_c, kv_c), None)
+    counts = inference.exit_counts(res._replace(check=books), final.astype(jnp.int32))
+  else:
+    logits, new_kv = final_readout(None)
+    counts = inference.exit_counts(res)
+  coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
+  # blocks without attention (model.attention=core) return no cache: keep theirs
+  pre_kv = [kv if kv[0].shape == c[0].shape else c for kv, c in zip(pre_kv, cache.prelude)]
+  out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
+  return out + (counts,) if with_counts else out
+
+
+def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: int):
+  """The decode-time A1 check: carry = (logits_BxV, coda (k, v), fresh_B, CheckCarry counts).
+
+  Each check reads two states (loops i-1 and i) in one coda + head pass: counted as two.
+  """
+  c = model.cfg
+  pos_Bx2 = jnp.full((batch, 2), pos, jnp.int32)
+
+  def pair(s_old, s_new):
+    x = jnp.concatenate([s_old, s_new], axis=1)  # [B, 2, D]: loop i-1 and loop i
+    h, kvs = model.decode_state(x, pos_Bx2, [_pair_cached(kv, pos) for kv in cache.coda])
+    logits = model.logits(h)
+    kv_new = [(k[:, -1:], v[:, -1:]) for k, v in kvs]  # the loop-i query's (last) slot
+    return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
+
+  def check_fn(s_new, s_old, carry, i, active_Bx1):
+    logits_c, kv_c, fresh, books = carry
+    delta = policies.relative_change(s_new, s_old)[:, 0]
+    may = (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
+    gated = cfg.policy == ExitPolicy.GATED_KL
+    gate = delta < cfg.gate if gated else jnp.ones_like(delta, bool)
+    run = jnp.any(active_Bx1[:, 0] & gate) & may
+
+    def full(_):
+      kl, logits, kv = pair(s_old, s_new)
+      return kl, logits, kv, jnp.ones_like(fresh)
+
+    def skip(_):
+      return jnp.full_like(delta, jnp.inf), logits_c, kv_c, jnp.zeros_like(fresh)
+    kl, logits, kv, ran = lax.cond(run, full, skip, None)
+    act = active_Bx1[:, 0]
+    upd = lambda new, old, m: jnp.where(m.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    logits_c = upd(logits, logits_c, act)
+    kv_c = jax.tree.map(lambda n, o: upd(n, o, act), kv, kv_c)
+    fresh = jnp.where(act, ran, fresh)
+    n = 2 * run.astype(jnp.int32)
+    books = policies.CheckCarry((), books.coda + n, books.head + n,
+                                books.coda_BxL + n * active_Bx1, books.head_BxL + n * active_Bx1)
+    return ((kl < cfg.eps) & gate)[:, None], (logits_c, kv_c, fresh, books), {}
+
+  z = jnp.zeros((batch, 1, c.num_kv_heads, c.head_dim), model.dtype)
+  carry = (jnp.zeros((batch, c.vocab_size), jnp.float32), [(z, z) for _ in range(c.n_coda)],
+           jnp.zeros((batch,), bool), policies.CheckCarry((), jnp.int32(0), jnp.int32(0),
+                                                          *[jnp.zeros((batch, 1), jnp.int32)] * 2))
+  return check_fn, carry
+
+
+def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, rng,
+                 router=None, with_counts: bool = False):
+  """Teacher-forced scoring in cached semantics: prefill the prompt, then one token at a time.
+
+  Returns (logits, depth, prompt depth[, counts]): logits [B, L - prompt_len, V]
+  predicting tokens prompt_len..L-1, the depths [B, L - prompt_len] of tokens
+  prompt_len..L-1, the prompt's depths [B, prompt_len] and, with with_counts, the decode
+  steps' Counts stacked over tokens (batch passes [T], per-token arrays [B, T]).
+  """
+  l = tokens_BxL.shape[1]
+  cache, last, pdepth = prefill(model, tokens_BxL[:, :prompt_len], cfg, rng, l, router)
+
+  def body(cache, t):
+    tok = lax.dynamic_index_in_dim(tokens_BxL, t, 1, keepdims=False)
+    logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True)
+    return cache, (logits, d, n)
+
+  _, (logits, depth, n) = lax.scan(body, cache, jnp.arange(prompt_len, l))
+  logits = jnp.concatenate([last[None], logits[:-1]], 0) if l > prompt_len else last[None]
+  out = jnp.swapaxes(logits, 0, 1), jnp.swapaxes(depth, 0, 1), pdepth
+  per_token = lambda x: jnp.swapaxes(x[..., 0], 0, 1)  # [T, B, 1] -> [B, T]
+  n = n._replace(depth=per_token(n.depth), coda=per_token(n.coda), head=per_token(n.head))
+  return out + (n,) if with_counts else out
+
+
+def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
+             temperature: float = 0.0, router=None):
+  """Samples n_new tokens (greedy at temperature 0); returns (tokens_BxL, depth_Bxn_new)."""
+  b, p = prompt_BxP.shape
+  total = p + n_new
+  cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
+
+  def pick(logits, key):
+    if temperature <= 0:
+      return jnp.argmax(logits, -1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+  def body(carry, t):
+    cache, logits = carry
+    tok = pick(logits, jax.random.fold_in(rng, 1_000_003 + t))
+    logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router)
+    return (cache, logits), (tok, d)
+
+  _, (toks, depth) = lax.scan(body, (cache, logits), jnp.arange(p, total))
+  tokens = jnp.concatenate([prompt_BxP, toks.T], axis=1)
+  return tokens, depth.T

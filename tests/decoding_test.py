@@ -1,0 +1,166 @@
+"""Cached decoding (generation, cached scoring) against brute-force per-token references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, safe_eps
+from elastic_depth import config, decoding, inference, model as model_lib
+
+R = 10
+
+
+def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None):
+  """Cached semantics per token: earlier tokens offer their last-loop kv in every block.
+
+  With a gate (policy gated_kl) a token exits only where also ||s_i - s_{i-1}|| / ||s_i|| < gate.
+  """
+  b, l = toks.shape
+  cfg = config.ExitConfig(policy='kl' if gate is None else 'gated_kl', eps=eps,
+                          max_loops=max_loops, gate=gate or 0.0)
+  cache, _, _ = decoding.prefill(mdl, toks[:, :prompt_len], cfg, rng, prompt_len)
+  pre = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
+         for c in cache.prelude]
+  core = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
+          for c in cache.core]
+  coda = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
+          for c in cache.coda]
+  depths, logits = [], []
+  w = mdl.head_weight()
+
+  def run(blocks, lists, x, p, write):
+    kvs = []
+    for j, blk in enumerate(blocks):
+      ks = [u[0] for u in lists[j]]
+      vs = [u[1] for u in lists[j]]
+      x, (kk, vv) = blk(x, p, attend_list(ks, vs))
+      kvs.append((kk[:, -1:], vv[:, -1:]))
+    if write:
+      for j, kv in enumerate(kvs):
+        lists[j].append(kv)
+    return x, kvs
+
+  for t in range(prompt_len, l):
+    assert b == 1
+    p = jnp.full((1, 1), t, jnp.int32)
+    x = jnp.take(mdl.embed_VxD[...], toks[:, t:t + 1], axis=0)
+    e, _ = run(mdl.prelude, pre, x, p, True)
+    s = mdl.initial_state(e, rng, p)
+    h_prev = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
+    d = 0
+    for i in range(1, max_loops + 1):
+      x = jnp.einsum('BLC,CD->BLD', jnp.concatenate([s, e], -1), mdl.adapter_2DxD[...])
+      s_old = np.asarray(s, np.float64)
+      s, last_kv = run(mdl.core, core, x, p, False)
+      d = i
+      h = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
+      kl = kl_np(h[:, 0], h_prev[:, 0], w)[0]
+      sn = np.asarray(s, np.float64)
+      delta = np.linalg.norm(sn - s_old) / np.linalg.norm(sn)
+      if i >= 2 and kl < eps and (gate is None or delta < gate):
+        break
+      h_prev = h
+    for j, kv in enumerate(last_kv):
+      core[j].append(kv)
+    hf, _ = run(mdl.coda, coda, s, p, True)
+    logits.append(np.asarray(mdl.logits(mdl.final_norm(hf)))[:, 0])
+    depths.append(d)
+  return np.stack(logits, 1), np.asarray(depths)[None]
+
+
+def test_generation_matches_brute_force_and_teacher_forced_scoring():
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(11))
+  rng = jax.random.key(0)
+  prompt = jnp.asarray([[3, 17, 5, 9]], jnp.int32)
+  cfg = median_kl_cfg(mdl, prompt, rng, R)
+  toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))(prompt)
+  logits_tf, depth_tf, _ = jax.jit(
+      lambda t: decoding.score_cached(mdl, t, 4, cfg, rng))(toks)
+  np.testing.assert_array_equal(np.asarray(depth), np.asarray(depth_tf))
+  # greedy: every generated token is the argmax of the scoring logits before it
+  np.testing.assert_array_equal(np.asarray(toks[:, 4:]),
+                                np.argmax(np.asarray(logits_tf), -1))
+  ref_logits, ref_depth = brute_cached(mdl, toks, 4, cfg.eps, R, rng)
+  np.testing.assert_array_equal(np.asarray(depth_tf), ref_depth)
+  # logits_tf[:, k] predicts token 4 + k and comes from decoding token 3 + k
+  np.testing.assert_allclose(np.asarray(logits_tf[:, 1:]), ref_logits[:, :-1],
+                             atol=1e-5, rtol=1e-5)
+
+
+def test_cache_size_independent_of_loops():
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
+  c8 = decoding.init_cache(mdl, 1, 32)
+  leaves = jax.tree.leaves(c8)
+  n_blocks = mdl.cfg.n_prelude + mdl.cfg.n_core + mdl.cfg.n_coda
+  assert len(leaves) == 2 * n_blocks
+  assert all(x.shape == (1, 32, 2, 8) for x in leaves)
+
+
+def test_batched_generation_equals_per_row_generation():
+  """Rows exit at different loops; each row must equal its batch-1 generation."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
+  cfg = median_kl_cfg(mdl, prompts, rng, R)
+  gen = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))
+  toks, depth = gen(prompts)
+  assert np.any(np.asarray(depth[0]) != np.asarray(depth[1]))  # rows exit apart
+  for row in range(2):
+    t1, d1 = gen(prompts[row:row + 1])
+    np.testing.assert_array_equal(np.asarray(depth[row:row + 1]), np.asarray(d1))
+    np.testing.assert_array_equal(np.asarray(toks[row:row + 1]), np.asarray(t1))
+
+
+def test_batched_cached_scoring_equals_per_row_scoring():
+  """Logits, not only greedy tokens: inactive rows must keep their cache slots."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  toks = jnp.asarray(np.random.default_rng(3).integers(0, 48, (2, 12)), jnp.int32)
+  cfg = median_kl_cfg(mdl, toks, rng, R)
+  sc = jax.jit(lambda t: decoding.score_cached(mdl, t, 3, cfg, rng))
+  logits, depth, _ = sc(toks)
+  assert np.any(np.asarray(depth[0]) != np.asarray(depth[1]))
+  for row in range(2):
+    l1, d1, _ = sc(toks[row:row + 1])
+    np.testing.assert_array_equal(np.asarray(depth[row:row + 1]), np.asarray(d1))
+    np.testing.assert_allclose(np.asarray(logits[row:row + 1]), np.asarray(l1),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cached_scoring_starts_from_the_parallel_initial_states():
+  """At one loop both semantics attend to the same keys/values: equal only if s0 is."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 10)), jnp.int32)
+  rng = jax.random.key(6)
+  one = config.ExitConfig(policy='uniform', depth=1)
+  par = inference.score(mdl, toks, one, rng).logits
+  cached, _, _ = jax.jit(lambda t: decoding.score_cached(mdl, t, 3, one, rng))(toks)
+  # cached logits k predict token 3 + k: parallel outputs at positions 2..L-2
+  np.testing.assert_allclose(np.asarray(cached), np.asarray(par[:, 2:-1]), atol=1e-5,
+                             rtol=1e-5)
+
+
+def test_gated_check_matches_brute_force_in_cached_and_parallel_semantics():
+  """gated_kl: exit where KL < eps and the relative state change < gate, in both engines."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(11))
+  rng = jax.random.key(0)
+  toks = jnp.asarray([[3, 17, 5, 9, 30, 2, 44, 8, 12]], jnp.int32)
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
+  eps, gate = safe_eps(list(np.asarray(tr['kl']))), safe_eps(list(np.asarray(tr['delta'])))
+  cfg = config.ExitConfig(policy='gated_kl', eps=eps, max_loops=R, gate=gate)
+  logits, depth, _ = jax.jit(lambda t: decoding.score_cached(mdl, t, 3, cfg, rng))(toks)
+  ref_logits, ref_depth = brute_cached(mdl, toks, 3, eps, R, rng, gate=gate)
+  np.testing.assert_array_equal(np.asarray(depth), ref_depth)
+  assert len(np.unique(ref_depth)) > 1
+  np.testing.assert_allclose(np.asarray(logits[:, 1:]), ref_logits[:, :-1], atol=1e-5, rtol=1e-5)
+  # parallel: until the first exit every state is the uniform run's, so the trace
+  # decides exactly which tokens exit first (at the first loop >= 2 where any may)
+  ok = (np.asarray(tr['kl']) < eps) & (np.asarray(tr['delta']) < gate)
+  ok[0] = False
+  k = int(np.argmax(ok.reshape(R, -1).any(1)))  # 0-based loop index of the first exits
+  assert ok[k].any() and not ok[k].all()
+  par = np.asarray(inference.score(mdl, toks, cfg, rng).depth)
+  np.testing.assert_array_equal(par == k + 1, ok[k])
+  assert np.all(par[~ok[k]] > k + 1)

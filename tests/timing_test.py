@@ -1,0 +1,29 @@
+"""The shared interleaved timer against a call log and known sleeps."""
+
+import time
+
+import jax.numpy as jnp
+
+from elastic_depth import timing
+
+
+def test_rounds_interleave_after_the_warmup_and_time_each_call():
+  log = []
+
+  def make(name, secs):
+    def f():
+      log.append(name)
+      time.sleep(secs)
+      return jnp.ones(3)  # waited for with block_until_ready
+    return f
+  t = timing.interleaved({'a': make('a', 0.02), 'b': make('b', 0.0)}, repeats=3, warmup=2)
+  assert log == ['a', 'b'] * 5  # 2 untimed rounds, then 3 timed ones, in order
+  assert [len(v) for v in t.times.values()] == [3, 3] and len(t.loads) == 3
+  assert all(s >= 0.02 for s in t.times['a']) and all(s >= 0 for s in t.times['b'])
+  assert all(x >= 0 for x in t.loads)
+
+
+def test_no_warmup_times_every_call():
+  log = []
+  t = timing.interleaved({'f': lambda: log.append(1)}, repeats=4, warmup=0)
+  assert len(log) == 4 and len(t.times['f']) == 4
