@@ -124,7 +124,8 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
-        min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate)
+        min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate,
+        max_loops=loop_cap(cfg))
     if exit_mask_BxL is not None:
       check_fn = _masked_check(check_fn, exit_mask_BxL)
     if schedule_BxL is not None:
@@ -189,7 +190,7 @@ def _compact_step(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, 
   """
   policy = ExitPolicy(cfg.policy)
   needs_head = policy in policies.HEAD_POLICIES
-  _, reads = policies.check_schedule(policy, cfg.min_loops, cfg.check_every)
+  _, reads = policies.check_schedule(policy, cfg.min_loops, cfg.check_every, loop_cap(cfg))
   b, l = pos.shape
 
   def step(idx, s, carry, i):
@@ -202,7 +203,7 @@ def _compact_step(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, 
     check_fn, _ = policies.make_check_fn(
         policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
         router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
-        check_every=cfg.check_every, gate=cfg.gate)
+        check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg))
     want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, s_new, s_c, i, needs_head)
     n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
     n_head += head_n * b * idx.shape[1]

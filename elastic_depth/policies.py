@@ -174,18 +174,22 @@ def _head_stats(hc: _HeadCheck, s_new, carry: CheckCarry, i, active):
   return lax.cond(hc.reads(i), run, lambda c: (_no_stats(shape), c), carry)
 
 
-def check_schedule(policy: ExitPolicy, min_loops: int, check_every: int):
+def check_schedule(policy: ExitPolicy, min_loops: int, check_every: int,
+                   max_loops: Optional[int] = None):
   """(is_check(i), reads(i)): the loops a check decides at, and those it reads p_i at.
 
-  KL-type checks need p_{i-1} (none at loop 1) and read the loop before each check too;
-  the confidence check reads p_i at its check loops only, from min_loops on.
+  KL-type checks need p_{i-1} (none at loop 1) and read the loop before each check too,
+  unless that check lies beyond max_loops; the confidence check reads p_i at its check
+  loops only, from min_loops on.
   """
   policy = ExitPolicy(policy)
   first = min_loops if policy == ExitPolicy.CONFIDENCE else max(min_loops, 2)
   is_check = lambda i: (i >= first) & ((i - min_loops) % check_every == 0)
   if policy == ExitPolicy.CONFIDENCE:
     return is_check, is_check
-  return is_check, lambda i: is_check(i) | is_check(i + 1)
+  before = ((lambda i: is_check(i + 1)) if max_loops is None else
+            (lambda i: is_check(i + 1) & (i < max_loops)))
+  return is_check, lambda i: is_check(i) | before(i)
 
 
 def _decide(policy: ExitPolicy, stats, i, eps, gate):
@@ -207,7 +211,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
                   trace: bool = False, min_loops: int = 1, check_every: int = 1,
-                  gate: float = 0.0):
+                  gate: float = 0.0, max_loops: Optional[int] = None):
   """Builds (check_fn, carry0_fn) for `recurrence.early_exit`.
 
   KL criteria run a readout only at the loops whose p_i a check reads (check loops
@@ -226,6 +230,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     use_kernel: fused Pallas KL on GPU (not with trace).
     trace: compute KL, reverse KL, state change, argmax (and NLL) at every loop.
     min_loops, check_every: the engine's check schedule (checks at loops >= 2 only).
+    max_loops: the engine's loop cap (no read for a check beyond it; None: unbounded).
     gate: gated_kl exits only where the relative state change is below it.
   Returns:
     check_fn and carry0_fn(s0) -> initial CheckCarry.
@@ -234,7 +239,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
   needs_head = trace or policy in HEAD_POLICIES
   kernel = policy != ExitPolicy.CONFIDENCE and kl_halting.kernel_active(use_kernel)
   hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace, needs_head and not trace and kernel,
-                  *check_schedule(policy, min_loops, check_every))
+                  *check_schedule(policy, min_loops, check_every, max_loops))
 
   def carry0(s0):
     b, l = s0.shape[:2]
