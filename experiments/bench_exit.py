@@ -240,9 +240,9 @@ def main(argv):
     runs[name] = bench(name, mdl, _DEPTH.value, toks, _EPS.value, _FAKE.value)
     runs[name]['parts_ms'] = parts(mdl, toks, _REPEATS.value)
     print(f'  parts (ms): {runs[name]["parts_ms"]}', flush=True)
-  out = dict(backend=jax.default_backend(), machine=os.environ.get(
-      'BENCH_MACHINE', '2-core AMD EPYC, AVX2, shared'), date=time.strftime('%Y-%m-%d %H:%M'),
-             runs=runs)
+  out = dict(backend=jax.default_backend(), machine=bench_util.cpu_description(),
+             cpu_count=os.cpu_count(), loadavg=os.getloadavg(),
+             date=time.strftime('%Y-%m-%d %H:%M'), runs=runs)
   bench_util.write_json(_OUT.value, out)
   md = os.path.splitext(_OUT.value)[0] + '.md'
   with open(md, 'w', encoding='utf-8') as f:
