@@ -247,7 +247,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   fill = lambda caches, kvs: [tuple(c.at[:, :p].set(x.astype(c.dtype)) for c, x in zip(ck, kv))
                                for ck, kv in zip(caches, kvs)]
   cache = decoding.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
-                          fill(cache.coda, res.coda_kv))
+                         fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
   st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],

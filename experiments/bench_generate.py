@@ -101,7 +101,7 @@ def bench_shape(name: str) -> dict:
   rows = {}
   for key, ecfg in variants.items():
     gen = jax.jit(lambda p, ecfg=ecfg: decoding.generate(mdl, p, _NEW.value, ecfg,
-                                                          jax.random.key(0)))
+                                                         jax.random.key(0)))
     sec = _median_time(gen, prompt, repeats=_REPEATS.value)
     _, depth = gen(prompt)
     rows[key] = dict(tokens_per_s=_NEW.value / sec, mean_loops=float(np.mean(depth)),

@@ -147,7 +147,7 @@ def test_decode_counts_match_executed_work(mdl, events, policy, gate):
     jax.effects_barrier()
     events.clear()
     _, _, depth, counts = decoding.decode_step(mdl, cache, toks[:, 3], 3, cfg, rng,
-                                                with_counts=True)
+                                               with_counts=True)
     jax.effects_barrier()
     depth = np.asarray(depth)[:, None]
     seen.update(depth.ravel().tolist())

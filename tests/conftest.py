@@ -8,7 +8,10 @@ a 2-block core and a coda).
 
 import dataclasses
 import functools
+import os
+import shutil
 
+import filelock
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +103,23 @@ def median_kl_cfg(mdl, toks, rng, max_loops: int) -> config_lib.ExitConfig:
                        rng, trace=True).traces
   return config_lib.ExitConfig(policy='kl', eps=float(np.median(np.asarray(tr['kl'][2:]))),
                                max_loops=max_loops)
+
+
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> str:
+  """A workdir built once per session and shared by the xdist workers (file lock).
+
+  build(path) must end by writing path/summary.json (as training does): a directory
+  without it is rebuilt.
+  """
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != 'master':
+    root = root.parent
+  wd = str(root / name)
+  with filelock.FileLock(wd + '.lock'):
+    if not os.path.exists(os.path.join(wd, 'summary.json')):
+      shutil.rmtree(wd, ignore_errors=True)
+      build(wd)
+  return wd
 
 
 @functools.cache

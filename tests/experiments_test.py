@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import built_once
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, train
 from elastic_depth.data import synthetic
 from elastic_depth import router as router_lib
@@ -20,14 +22,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory, make_config):
+def workdir(tmp_path_factory, make_config, worker_id):
+  """A trained tiny workdir: trained once for both xdist workers, copied for this module."""
   cfg = make_config(train=dict(steps=20, eval_every=20, ckpt_every=20, log_every=10,
                                eval_batches=1, seq_len=16, eval_depths=(1, 4)),
                     depth=dict(buckets=(2, 4)))
   cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(synth_examples=100,
                                                            val_fraction=0.5))
+  shared = built_once(tmp_path_factory, worker_id, 'experiments_tiny',
+                      lambda wd: train.run(cfg, wd, quiet=True))
   wd = str(tmp_path_factory.mktemp('tiny'))
-  train.run(cfg, wd, quiet=True)
+  shutil.copytree(shared, wd, dirs_exist_ok=True)  # the tests write reports into it
   return wd
 
 

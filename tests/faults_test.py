@@ -13,11 +13,11 @@ import subprocess
 import sys
 import time
 
-import filelock
 import jax
 import numpy as np
 import pytest
 
+from conftest import built_once
 from elastic_depth import checkpoint, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,15 +116,10 @@ def losses(workdir):
 @pytest.fixture(scope='session')
 def reference(tmp_path_factory, worker_id):
   """An uninterrupted run, made once and shared by the xdist workers (file lock)."""
-  root = tmp_path_factory.getbasetemp()
-  if worker_id != 'master':
-    root = root.parent
-  wd = str(root / 'faults_reference')
-  with filelock.FileLock(wd + '.lock'):
-    if not os.path.exists(os.path.join(wd, 'summary.json')):
-      shutil.rmtree(wd, ignore_errors=True)
-      out = run(wd)
-      assert out.returncode == 0, out.stderr[-3000:]
+  def build(wd):
+    out = run(wd)
+    assert out.returncode == 0, out.stderr[-3000:]
+  wd = built_once(tmp_path_factory, worker_id, 'faults_reference', build)
   ref = losses(wd)
   assert sorted(ref) == list(range(1, STEPS + 1))
   return wd

@@ -202,7 +202,7 @@ def test_generation_with_per_token_exit_runs_on_the_imported_model(loaded):
   prompt = jnp.asarray(_load('tokens.npy')[:, :6])
   always = ExitConfig(policy='kl', eps=1e9, min_loops=1, max_loops=4)  # exit at first check
   toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 3, always,
-                                                     jax.random.key(0)))(prompt)
+                                                    jax.random.key(0)))(prompt)
   assert toks.shape == (2, 9) and (np.asarray(toks[:, :6]) == np.asarray(prompt)).all()
   assert (np.asarray(depth) == 2).all()  # KL needs two loops; max_loops is 4
   assert ((0 <= np.asarray(toks)) & (np.asarray(toks) < 256)).all()
