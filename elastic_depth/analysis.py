@@ -24,8 +24,6 @@ from elastic_depth import books, decoding, inference, losses, policies, timing
 from elastic_depth import model as model_lib
 from elastic_depth.config import ExitConfig, ExitPolicy, Semantics
 
-DEFAULT_DELTA = 0.01  # nats/token: the tolerance of 'matches quality'
-
 
 def default_grid(lo: float = 1e-6, hi: float = 1.0, n: int = 13) -> list[float]:
   """Log-spaced thresholds lo..hi (default: 1e-6..1, two points per decade)."""
@@ -261,26 +259,13 @@ class Curve(NamedTuple):
   check_every: int = 1  # checks at min_loops + k * check_every only
 
 
-def executed_flops(mcfg, core, coda, head, seq_len: int):
-  """Forward FLOPs per token position from executed counts (`inference.Counts`).
-
-  prelude + core loops x loop + coda readouts x coda + head products x head, with
-  model.flops_per_token's parts; counts may be batch passes (what the masked engine
-  runs for every position) or per-token arrays (the work of active tokens only).
-  """
-  f = model_lib.flops_per_token(mcfg, 0, seq_len)
-  core, coda, head = (np.asarray(x, np.float64) for x in (core, coda, head))
-  coda_only = f['coda_head'] - f['head']
-  return f['prelude'] + core * f['loop'] + coda * coda_only + head * f['head']
-
-
 def uniform_curve(trace: Trace, mcfg) -> dict:
   """A0 at every depth 1..R from the trace: loss, mean loops and FLOPs/token."""
   e = elasticity(trace)
   seq_len = trace.inputs.shape[1]
   return {'policy': 'uniform', 'threshold': e['depths'], 'mean_loops': [float(d) for d in e['depths']],
           'loss': e['loss'],
-          'flops': [float(executed_flops(mcfg, d, 1, 1, seq_len)) for d in e['depths']]}
+          'flops': [float(books.executed_flops(mcfg, d, 1, 1, seq_len)) for d in e['depths']]}
 
 
 def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -326,10 +311,10 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['threshold'].append(float(eps))
       out['mean_loops'].append(_masked_mean(depth, mask))
       out['loss'].append(_masked_mean(nll, mask))
-      out['flops'].append(_masked_mean(executed_flops(
+      out['flops'].append(_masked_mean(books.executed_flops(
           model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),
           seq_len), ones))
-      out['flops_active'].append(_masked_mean(executed_flops(
+      out['flops_active'].append(_masked_mean(books.executed_flops(
           model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len), mask[:, -t:]))
       out['mean_core_passes'].append(_masked_mean(per_pos('core_passes'), ones))
       out['mean_readouts'].append(_masked_mean(cat('coda'), mask[:, -t:]))
@@ -340,58 +325,9 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   return out
 
 
-def headline(a0: dict, curve: dict, ref_depth: float, delta: float = DEFAULT_DELTA) -> dict:
-  """The exit policy against uniform depth.
-
-  * ref: A0 at the training-mean depth (linearly interpolated if fractional);
-  * best: the curve point with the smallest mean loops whose loss is within delta of
-    ref (ties: lower loss), with its loop and FLOP savings relative to ref;
-  * frontier: for every curve point, A0's loss interpolated at the same mean loops and
-    at the same FLOPs/token (gap = curve loss - A0 loss; negative: the policy wins).
-  """
-  d0 = np.asarray(a0['mean_loops'], np.float64)
-  l0 = np.asarray(a0['loss'], np.float64)
-  f0 = np.asarray(a0['flops'], np.float64)
-  ref_loss = float(np.interp(ref_depth, d0, l0))
-  ref_flops = float(np.interp(ref_depth, d0, f0))
-  ml = np.asarray(curve['mean_loops'], np.float64)
-  loss = np.asarray(curve['loss'], np.float64)
-  fl = np.asarray(curve['flops'], np.float64)
-  a0_same_loops = np.interp(ml, d0, l0)
-  a0_same_flops = np.interp(fl, f0, l0)
-  frontier = {'a0_loss_same_loops': a0_same_loops.tolist(),
-              'gap_same_loops': (loss - a0_same_loops).tolist(),
-              'a0_loss_same_flops': a0_same_flops.tolist(),
-              'gap_same_flops': (loss - a0_same_flops).tolist(),
-              'flops_in_a0_range': ((fl >= f0.min()) & (fl <= f0.max())).tolist()}
-  within_u = [float(d) for d, x in zip(d0, l0) if x <= ref_loss + delta]
-  out = {'policy': curve.get('policy'), 'ref_depth': float(ref_depth), 'ref_loss': ref_loss,
-         'ref_outside_a0': bool(not d0.min() <= ref_depth <= d0.max()),  # interp clamped
-         'ref_flops': ref_flops, 'delta': float(delta), 'frontier': frontier,
-         'uniform_depth_within_delta': min(within_u) if within_u else None,
-         'points_beating_a0_same_loops': int(np.sum(loss < a0_same_loops)),
-         'best_gap_same_loops': float(np.min(loss - a0_same_loops)) if len(loss) else None,
-         'best': None}
-  ok = [i for i in range(len(loss)) if loss[i] <= ref_loss + delta]
-  if ok:
-    i = min(ok, key=lambda j: (ml[j], loss[j]))
-    out['best'] = {
-        'index': i, 'threshold': curve['threshold'][i], 'mean_loops': float(ml[i]),
-        'loss': float(loss[i]), 'flops': float(fl[i]),
-        'loop_saving': float(1.0 - ml[i] / ref_depth),
-        'flops_saving': float(1.0 - fl[i] / ref_flops),  # as the engine executed
-        'flops_active_saving': (float(1.0 - curve['flops_active'][i] / ref_flops)
-                                if 'flops_active' in curve else None),
-        'a0_loss_same_loops': float(a0_same_loops[i]),
-        'gap_same_loops': float(loss[i] - a0_same_loops[i]),
-        'a0_loss_same_flops': float(a0_same_flops[i]),
-        'gap_same_flops': float(loss[i] - a0_same_flops[i])}
-  return out
-
-
 def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: jax.Array,
           r_max: int, ref_depth: float, *, eps_grid: Optional[Sequence[float]] = None,
-          delta: float = DEFAULT_DELTA, curves: Sequence[str] = ('kl',),
+          delta: float = books.DEFAULT_DELTA, curves: Sequence[str] = ('kl',),
           state_delta_grid: Optional[Sequence[float]] = None,
           router: Optional[policies.Router] = None,
           router_grid: Optional[Sequence[float]] = None,
@@ -448,7 +384,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   for name, spec in specs.items():
     pts = policy_curve(model, batches, rng, spec, r_max, progress)
     out['curves'][name] = pts
-    out['headline'][name] = h = headline(a0, pts, ref_depth, delta)
+    out['headline'][name] = h = books.headline(a0, pts, ref_depth, delta)
     if h['best'] is not None and timing_repeats > 0:
       h['best']['wall_clock'] = wall_clock(model, batches, rng, spec, h['best']['threshold'],
                                            ref_depth, r_max, timing_repeats)

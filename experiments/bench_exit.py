@@ -16,7 +16,7 @@ synthetic schedule: after each loop that share of the still-active tokens exits
 loop (its cost is real); only its decision is replaced. Without it, --eps decides.
 
 Executed FLOPs come from the engines' own counts (`inference.Counts`, checked against
-an event log in tests/accounting_test.py) through `analysis.executed_flops`
+an event log in tests/accounting_test.py) through `books.executed_flops`
 (model.flops_per_token pieces): loops, readouts (only where a check reads one) and head
 products as each engine ran them, the compacted engine's buffer padding included
 (`active_gflop`: the active tokens' share alone).
@@ -35,7 +35,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from elastic_depth import analysis, config, inference, model as model_lib, recurrence, timing
+from elastic_depth import analysis, books, config, inference, model as model_lib, recurrence, timing
 from experiments import bench_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
@@ -63,16 +63,16 @@ def _schedule(shape, frac: float, depth: int, seed: int = 0):
 def _books(mcfg, l: int, n: int, depth: int, counts: dict) -> dict:
   """Executed forward FLOPs of each variant from its engine's own counts.
 
-  analysis.executed_flops of the batch passes (compacted: buffer slots / tokens, padding
+  books.executed_flops of the batch passes (compacted: buffer slots / tokens, padding
   slots included) x tokens; A0 runs `depth` loops and one readout. 'a1_compact_active'
   is the work of active tokens only (per-token counts), without the buffer padding.
   """
-  total = lambda c: n * float(analysis.executed_flops(mcfg, c.core_passes, c.coda_passes,
+  total = lambda c: n * float(books.executed_flops(mcfg, c.core_passes, c.coda_passes,
                                                       c.head_passes, l))
-  out = {'a0': n * float(analysis.executed_flops(mcfg, depth, 1, 1, l))}
+  out = {'a0': n * float(books.executed_flops(mcfg, depth, 1, 1, l))}
   out.update({k: total(c) for k, c in counts.items()})
   c = counts['a1_compact']
-  out['a1_compact_active'] = float(np.sum(analysis.executed_flops(
+  out['a1_compact_active'] = float(np.sum(books.executed_flops(
       mcfg, np.asarray(c.depth), np.asarray(c.coda), np.asarray(c.head), l)))
   return out
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from elastic_depth import analysis, calibrate, reports
+from elastic_depth import analysis, books, calibrate, reports
 from experiments import common, flags_util, sweep_eps
 
 
@@ -26,7 +26,7 @@ from experiments import common, flags_util, sweep_eps
 @dataclasses.dataclass
 class CalibrateOptions:
   """This experiment's own settings."""
-  delta: float = analysis.DEFAULT_DELTA  # the risk level not to exceed (--delta, shared)
+  delta: float = books.DEFAULT_DELTA  # the risk level not to exceed (--delta, shared)
   alpha: float = 0.1                  # allowed probability of exceeding delta
   risk: calibrate.Risk = calibrate.Risk.LOSS
   pvalue: calibrate.PValue = calibrate.PValue.HOEFFDING_BENTKUS

@@ -13,11 +13,11 @@ import os
 
 from absl import app, flags
 
-from elastic_depth import analysis, reports
+from elastic_depth import books, reports
 
 WORKDIRS = flags.DEFINE_list('workdirs', None, 'Run directories with eval_depth reports.')
 TAG = flags.DEFINE_string('tag', '', 'Report tag (e.g. fineweb).')
-DELTA = flags.DEFINE_float('delta', analysis.DEFAULT_DELTA, 'Nats/token within the best loss.')
+DELTA = flags.DEFINE_float('delta', books.DEFAULT_DELTA, 'Nats/token within the best loss.')
 OUT = flags.DEFINE_string('out', 'runs/saturation', 'Output directory.')
 
 

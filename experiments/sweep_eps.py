@@ -18,7 +18,7 @@ from typing import Optional
 import jax
 from absl import app, flags
 
-from elastic_depth import analysis, reports
+from elastic_depth import analysis, books, reports
 from elastic_depth import router as router_lib
 from elastic_depth.config import Semantics
 from experiments import common, flags_util
@@ -29,7 +29,7 @@ from experiments import common, flags_util
 class SweepOptions:
   """This experiment's own settings."""
   eps_grid: Optional[list[float]] = None          # KL thresholds (None: 1e-6..1)
-  delta: float = analysis.DEFAULT_DELTA           # loss tolerance of the headline
+  delta: float = books.DEFAULT_DELTA           # loss tolerance of the headline
   curves: tuple[str, ...] = ('kl',)               # exit curves besides A0
   state_delta_grid: Optional[list[float]] = None
   router: bool = False                            # add the A2 curve from router.json

@@ -123,3 +123,43 @@ def test_operating_range_compares_only_where_the_exact_loss_is_low():
   g = books.frontier_gap(exact, cheap, loss_cap=0.06)
   assert g['range'] == [4.0, 6.0] and g['max_gap'] == pytest.approx(0.001)
   assert books.frontier_gap(exact, cheap, loss_cap=0.01) is None
+
+
+def _brute_headline(d0, l0, ml, loss, ref_depth, delta):
+  ref = np.interp(ref_depth, d0, l0)
+  best = None
+  for i in range(len(ml)):
+    if loss[i] <= ref + delta and (best is None or (ml[i], loss[i]) < (ml[best], loss[best])):
+      best = i
+  return ref, best
+
+
+def test_headline_on_hand_built_curve():
+  d0 = np.arange(1, 9, dtype=float)
+  l0 = 2.0 + 1.0 / d0  # loss 3, 2.5, 2.33, ..., 2.125
+  a0 = {'mean_loops': d0.tolist(), 'loss': l0.tolist(), 'flops': (100 + 10 * d0).tolist()}
+  ml = [7.5, 5.5, 4.2, 3.1, 2.0]
+  loss = [2.126, 2.13, 2.131, 2.2, 2.6]
+  curve = {'policy': 'kl', 'threshold': [1e-5, 1e-4, 1e-3, 1e-2, 1e-1], 'mean_loops': ml,
+           'loss': loss, 'flops': [100 + 10 * m + 7 for m in ml]}
+  for ref_depth, delta in ((8, 0.01), (6.5, 0.01), (8, 0.08), (8, 1e-4)):
+    h = books.headline(a0, curve, ref_depth, delta)
+    ref, best = _brute_headline(d0, l0, ml, loss, ref_depth, delta)
+    assert h['ref_loss'] == pytest.approx(ref)
+    if best is None:
+      assert h['best'] is None
+      continue
+    b = h['best']
+    assert b['index'] == best and b['mean_loops'] == ml[best]
+    assert b['loop_saving'] == pytest.approx(1 - ml[best] / ref_depth)
+    lo = int(np.floor(ml[best]))  # A0 interpolated between the neighbouring depths
+    w = ml[best] - lo
+    a0_at = (1 - w) * l0[lo - 1] + w * l0[min(lo, 7)]
+    assert b['a0_loss_same_loops'] == pytest.approx(a0_at)
+    assert b['gap_same_loops'] == pytest.approx(loss[best] - a0_at)
+    # equal FLOPs: 7 extra FLOPs = 0.7 loops of A0
+    assert b['a0_loss_same_flops'] == pytest.approx(np.interp(ml[best] + 0.7, d0, l0))
+  h = books.headline(a0, curve, 8, 0.01)
+  assert h['best']['index'] == 2 and h['uniform_depth_within_delta'] == 8.0
+  assert h['points_beating_a0_same_loops'] == sum(
+      x < np.interp(m, d0, l0) for m, x in zip(ml, loss))
