@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import exit_model_config
+
 from elastic_depth import analysis, config, decoding, inference, losses, policies
 from elastic_depth import model as model_lib
 
@@ -14,10 +16,7 @@ R, B, L = 6, 2, 8
 
 @pytest.fixture(scope='module')
 def setup():
-  mcfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
-                            head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
-                            max_len=64, init_std=0.1)
-  mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(3))
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
   rs = np.random.default_rng(0)
   batches = []
   for _ in range(2):

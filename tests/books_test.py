@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import exit_model_config
+
 from elastic_depth import analysis, books, config
 from elastic_depth import model as model_lib
 
@@ -86,9 +88,7 @@ R, B, L = 6, 2, 8
 
 
 def test_sweep_books_from_the_engines_counts():
-  cfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
-                           head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
-                           max_len=64, init_std=0.1)
+  cfg = exit_model_config()
   mdl = model_lib.LoopedLM(cfg, nnx.Rngs(3))
   rs = np.random.default_rng(0)
   batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),

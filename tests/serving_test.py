@@ -8,17 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import exit_model_config
+
 from elastic_depth import config, decoding, inference, model as model_lib, serving
 
 R, N = 8, 5  # max loops, new tokens per row
 PROMPTS = [[3, 17, 5, 9], [40, 2, 31, 0], [1, 2, 3, 4]]  # row 1 has 3 tokens + padding
 PLEN = [4, 3, 4]
-
-
-def tiny_cfg():  # init_state random (the default of every config)
-  return config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
-                            head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=1,
-                            max_len=64, init_std=0.1)
 
 
 def _eps_between(kls):
@@ -33,20 +29,25 @@ def _eps_between(kls):
   return pick(lo, len(v) // 2), pick(len(v) // 2, hi)
 
 
-@pytest.fixture(scope='module')
-def setup():
-  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(5))
-  rng = jax.random.key(0)
+def _two_tiers(mdl, rng, policy: str, stat: str):
+  """Depth-wise generation of PROMPTS with two eps tiers taken from the trace of `stat`."""
   prompts = jnp.asarray(PROMPTS, jnp.int32)
   tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
                        trace=True).traces
-  eps_lo, eps_hi = _eps_between(list(np.asarray(tr['kl'])))
-  cfg = config.ExitConfig(policy='kl', eps=eps_hi, max_loops=R, min_loops=2)
+  eps_lo, eps_hi = _eps_between(list(np.asarray(tr[stat])))
+  cfg = config.ExitConfig(policy=policy, eps=eps_hi, max_loops=R, min_loops=2)
   eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
   out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
                                                   prompt_len_B=n))(
       prompts, eps_B, jnp.asarray(PLEN, jnp.int32))
-  return mdl, rng, cfg, eps_B, out
+  return cfg, eps_B, out
+
+
+@pytest.fixture(scope='module')
+def setup():
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  return (mdl, rng) + _two_tiers(mdl, rng, 'kl', 'kl')
 
 
 def _alone(mdl, cfg, rng):
@@ -55,15 +56,21 @@ def _alone(mdl, cfg, rng):
       mdl, p, N, dataclasses.replace(cfg, eps=eps), rng))
 
 
+def _assert_rows_equal_alone(gen, eps_B, out):
+  """Each row's tokens and depths equal its own lockstep generation with its eps."""
+  depth = np.asarray(out.depth)
+  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
+    toks, d = gen(jnp.asarray([p[:n]], jnp.int32), eps_B[b])
+    np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
+    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(toks[0]))
+
+
 def test_rows_equal_their_own_generation_with_their_eps(setup):
   mdl, rng, cfg, eps_B, out = setup
   gen = _alone(mdl, cfg, rng)
   depth = np.asarray(out.depth)
   assert len(np.unique(depth)) > 2 and np.any(depth[0] != depth[2])  # ragged exits
-  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
-    toks, d = gen(jnp.asarray([p[:n]], jnp.int32), eps_B[b])
-    np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
-    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(toks[0]))
+  _assert_rows_equal_alone(gen, eps_B, out)
   # the two quality tiers differ: the lower eps runs deeper on the same prompt
   _, d_lo = gen(jnp.asarray([PROMPTS[0]], jnp.int32), eps_B[1])
   assert np.mean(np.asarray(d_lo)) > np.mean(depth[0])
@@ -98,24 +105,12 @@ def test_counts_equal_the_brute_force_schedule(setup):
 
 def test_state_change_rows_equal_their_own_generation():
   """The check without a readout: each exit reads out once; rows equal their lockstep runs."""
-  mdl = model_lib.LoopedLM(tiny_cfg(), nnx.Rngs(5))
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
   rng = jax.random.key(0)
-  prompts = jnp.asarray(PROMPTS, jnp.int32)
-  tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
-                       trace=True).traces
-  eps_lo, eps_hi = _eps_between(list(np.asarray(tr['delta'])))
-  cfg = config.ExitConfig(policy='state_delta', eps=eps_hi, max_loops=R, min_loops=2)
-  eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
-  out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
-                                                  prompt_len_B=n))(
-      prompts, eps_B, jnp.asarray(PLEN, jnp.int32))
+  cfg, eps_B, out = _two_tiers(mdl, rng, 'state_delta', 'delta')
   depth = np.asarray(out.depth)
   assert len(np.unique(depth)) > 2  # ragged exits
-  gen = _alone(mdl, cfg, rng)
-  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
-    toks, d = gen(jnp.asarray([p[:n]], jnp.int32), eps_B[b])
-    np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
-    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(toks[0]))
+  _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
   steps, loops, ends = _schedule(depth)
   finals = sum(any(i > 0 and ((t + 1) < len(loops) and loops[t + 1][b] in (0, 1)
                               or t + 1 == len(loops)) for b, i in enumerate(ls))
@@ -126,7 +121,7 @@ def test_state_change_rows_equal_their_own_generation():
 
 def test_uniform_equals_lockstep_generation():
   """A0; with attention in the core only (prelude and coda blocks keep no cache)."""
-  mdl = model_lib.LoopedLM(dataclasses.replace(tiny_cfg(), attention='core'), nnx.Rngs(2))
+  mdl = model_lib.LoopedLM(dataclasses.replace(exit_model_config(), attention='core'), nnx.Rngs(2))
   rng = jax.random.key(1)
   cfg = config.ExitConfig(policy='uniform', depth=3)
   prompts = jnp.asarray(PROMPTS, jnp.int32)
