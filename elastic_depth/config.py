@@ -166,6 +166,8 @@ class TrainConfig:
   peak_flops: float = 0.0    # device peak FLOP/s for the logged MFU (0: by device kind,
                              # none on CPU)
   max_skips: int = 10
+  loss_chunk: int = 0        # > 0: the LM head and cross-entropy fused, this many tokens at
+                             # a time (losses.head_nll: no [B, L, V] logits are kept)
 
 
 @dataclasses.dataclass
@@ -266,7 +268,7 @@ RANGES = {
                   grad_clip=POSITIVE, eval_every=AT_LEAST_1, eval_batches=AT_LEAST_1,
                   eval_depths=AT_LEAST_1, ckpt_every=AT_LEAST_1, keep_checkpoints=AT_LEAST_1,
                   log_every=AT_LEAST_1, max_skips=NON_NEGATIVE, fsdp=AT_LEAST_1,
-                  peak_flops=NON_NEGATIVE),
+                  peak_flops=NON_NEGATIVE, loss_chunk=NON_NEGATIVE),
     'exit': dict(eps=NON_NEGATIVE, depth=AT_LEAST_1, min_loops=AT_LEAST_1,
                  max_loops=AT_LEAST_1, check_every=AT_LEAST_1, gate=NON_NEGATIVE),
 }

@@ -116,9 +116,11 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
     c = model.cfg
     zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
     kv0 = [(zeros, zeros) for _ in range(c.n_core)]
+    rot = model.rotary(pos)  # once, outside the while_loop
 
     def masked_step(s, kv, active):
-      return model.core_step(s, e, pos, [_freeze(kv[j], active) for j in range(c.n_core)])
+      return model.core_step(s, e, pos, [_freeze(kv[j], active) for j in range(c.n_core)],
+                             rot=rot)
 
     readout = lambda s: model.decode_state(s, pos)[0]
     check_fn, carry0 = policies.make_check_fn(

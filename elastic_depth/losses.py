@@ -1,7 +1,10 @@
 """Losses and divergences from logits, all in fp32."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def nll(logits_BxLxV, targets_BxL, mask_BxL=None) -> jax.Array:
@@ -23,3 +26,74 @@ def kl_from_logits(logits_new_NxV, logits_old_NxV) -> jax.Array:
   a = jax.nn.log_softmax(logits_new_NxV.astype(jnp.float32), -1)
   b = jax.nn.log_softmax(logits_old_NxV.astype(jnp.float32), -1)
   return jnp.maximum(jnp.sum(jnp.exp(a) * (a - b), -1), 0.0)
+
+
+def _head_chunks(h_NxD, targets_N, mask_N, chunk: int):
+  """Pads N to a multiple of chunk (mask 0) and splits into [N / chunk, chunk, ...]."""
+  n = h_NxD.shape[0]
+  pad = -n % chunk
+  split = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+      (-1, chunk) + x.shape[1:])
+  return split(h_NxD), split(targets_N), split(mask_N.astype(jnp.float32))
+
+
+def _chunk_nll(h_CxD, w_VxD, tgt_C, m_C):
+  """Logits of one chunk (fp32) and its masked NLL sum."""
+  logits_CxV = jnp.dot(h_CxD, w_VxD.T, preferred_element_type=jnp.float32)
+  lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+  nll_C = lse_C - jnp.take_along_axis(logits_CxV, tgt_C[:, None], axis=-1)[:, 0]
+  return logits_CxV, lse_C, jnp.sum(nll_C * m_C)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def head_nll(h_NxD, w_VxD, targets_N, mask_N, chunk: int) -> jax.Array:
+  """Sum over unmasked tokens of -log softmax(h @ w^T)[target], chunk tokens at a time.
+
+  The LM head and cross-entropy fused: equal to masked_nll(dense(h, w.T), ...)[0], but
+  the [N, V] logits exist one chunk at a time, and the gradients are formed in the
+  forward pass (no logits kept for the backward; same matmuls as plain autodiff).
+
+  Args:
+    h_NxD: final hidden states (compute dtype).
+    w_VxD: head weight (compute dtype).
+    targets_N: int32 targets.
+    mask_N: weights of the tokens (0 or 1).
+    chunk: tokens per chunk (static).
+  Returns:
+    The masked NLL sum, fp32 [].
+  """
+  return _head_nll_fwd(h_NxD, w_VxD, targets_N, mask_N, chunk, grads=False)[0]
+
+
+def _head_nll_fwd(h_NxD, w_VxD, targets_N, mask_N, chunk: int, grads: bool = True):
+  """(loss, (dloss/dh, dloss/dw)): one scan over chunks; the gradients only when grads."""
+  hs, ts, ms = _head_chunks(h_NxD, targets_N, mask_N, chunk)
+
+  def body(dw_VxD, xs):
+    h_CxD, tgt_C, m_C = xs
+    logits_CxV, lse_C, total = _chunk_nll(h_CxD, w_VxD, tgt_C, m_C)
+    if not grads:
+      return dw_VxD, (total, h_CxD[:0])
+    p_CxV = jnp.exp(logits_CxV - lse_C[:, None])
+    d_CxV = (p_CxV - jax.nn.one_hot(tgt_C, p_CxV.shape[-1], dtype=p_CxV.dtype)) * m_C[:, None]
+    d_CxV = d_CxV.astype(h_CxD.dtype)
+    dh_CxD = jnp.dot(d_CxV, w_VxD, preferred_element_type=jnp.float32).astype(h_CxD.dtype)
+    return dw_VxD + jnp.dot(d_CxV.T, h_CxD, preferred_element_type=jnp.float32), (total, dh_CxD)
+
+  dw0 = jnp.zeros(w_VxD.shape, jnp.float32)
+  dw_VxD, (totals, dh) = lax.scan(body, dw0, (hs, ts, ms))
+  loss = jnp.sum(totals)
+  if not grads:
+    return loss, None
+  dh_NxD = dh.reshape((-1, h_NxD.shape[1]))[:h_NxD.shape[0]]
+  return loss, (dh_NxD, dw_VxD.astype(w_VxD.dtype))
+
+
+def _head_nll_bwd(chunk, res, g):
+  """Scales the gradients formed in the forward; targets and mask (data) get none."""
+  del chunk
+  dh, dw = res
+  return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None, None
+
+
+head_nll.defvjp(_head_nll_fwd, _head_nll_bwd)

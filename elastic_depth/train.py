@@ -69,7 +69,14 @@ def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
 
   def loss_fn(params, micro, bucket_idx, key):
     mdl = model_lib.bind(graphdef, params)
-    out = mdl.forward(micro['inputs'], key, model_lib.bucketed(bucket_idx, cfg.depth))
+    chunk = cfg.train.loss_chunk
+    out = mdl.forward(micro['inputs'], key, model_lib.bucketed(bucket_idx, cfg.depth),
+                      head=not chunk)
+    if chunk:  # head + cross-entropy fused, chunk tokens at a time
+      flat = lambda x: x.reshape((-1,) + x.shape[2:])
+      total = losses.head_nll(flat(out.hidden), mdl.head_weight().astype(mdl.dtype),
+                              flat(micro['targets']), flat(micro['mask']), chunk)
+      return total, jnp.sum(micro['mask'])
     total, count = losses.masked_nll(out.logits, micro['targets'], micro['mask'])
     return total, count  # sums: micro-batches are weighted by their token counts
 

@@ -1,14 +1,16 @@
 """Benchmark the full jitted training step: tokens/s, fraction of peak, memory, reference.
 
 Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=...]
-  [--remat=nothing,dots,all_dots,off] [--reference_dir=DIR --rounds=N]
+  [--remat=nothing,dots,all_dots,off] [--loss_chunk=0,512] [--reference_dir=DIR --rounds=N]
 
 Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
 clipping, the bucketed-depth switch) with a single depth bucket (r,) so that every
 step runs exactly r loops, times `--steps` steps after `--warmup` untimed ones
 (the first compiles) and reports the median step time as tokens/s, with XLA's
 compiled memory analysis (temporaries, peak) for each remat choice (`--remat`;
-default the shape's own, `Shape.remat`).
+default the shape's own, `Shape.remat`) and each loss chunking (`--loss_chunk`: 0 is the
+plain head + cross-entropy over [B, L, V] logits, N > 0 the fused one, N tokens at a
+time, `train.loss_chunk`; default the shape's own).
 
 FLOPs are model FLOPs: 3x the forward matmul FLOPs of `model.flops_per_token` at
 depth r (the usual "6N" convention); `hw_flops_per_token` also counts the matmuls
@@ -71,6 +73,8 @@ flags.DEFINE_enum('dtype', '', ['', 'float32', 'bfloat16'], 'Compute dtype (defa
                   'shape\'s; 135m is bfloat16, the others float32).')
 flags.DEFINE_list('remat', [], f'Remat choices to time per shape, of {REMAT_CHOICES} '
                   '(off: no jax.checkpoint); default: the shape\'s own choice.')
+flags.DEFINE_list('loss_chunk', [], 'train.loss_chunk values to time per shape and remat '
+                  'choice (0: plain cross-entropy; default: the shape\'s own).')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
 flags.DEFINE_string('tiny_flags', os.path.join(REPO, 'launch', 'tiny.flags'),
                     'Flag file the `tiny` shape is parsed from.')
@@ -94,6 +98,7 @@ class Shape:
   r: int
   max_steps: int | None = None  # cap of the timed steps (heavy shapes)
   remat: str = 'nothing'        # the shape's remat choice (REMAT_CHOICES)
+  loss_chunk: int = 0           # the shape's train.loss_chunk (0: plain cross-entropy)
   dtype: str = 'float32'
   timed_on_cpu: bool = True     # False: on CPU only compiled (FLOPs and memory reported)
 
@@ -122,7 +127,8 @@ SHAPES = {
 }
 
 
-def shape_config(name: str, r: int, dtype: str, remat: str) -> config_lib.Config:
+def shape_config(name: str, r: int, dtype: str, remat: str,
+                 loss_chunk: int | None = None) -> config_lib.Config:
   """The Config of a shape at fixed depth r (a single bucket: the switch has one branch)."""
   sh = SHAPES[name]
   model_kw, train_kw = sh.model, sh.train
@@ -134,8 +140,9 @@ def shape_config(name: str, r: int, dtype: str, remat: str) -> config_lib.Config
   depth = config_lib.DepthConfig(
       mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
       remat_policy=config_lib.RematPolicy.NOTHING if remat == 'off' else remat)
+  chunk = sh.loss_chunk if loss_chunk is None else loss_chunk
   train = dataclasses.replace(config_lib.TrainConfig(), **train_kw, steps=1000,
-                              warmup_steps=10)
+                              warmup_steps=10, loss_chunk=chunk)
   cfg = config_lib.Config(model=model, depth=depth, train=train)
   config_lib.validate(cfg)
   return cfg
@@ -168,9 +175,11 @@ def random_batch(cfg: config_lib.Config, seed: int = 0) -> dict:
 class OurStep:
   """The library's train step of one shape and remat choice, compiled; times steps on demand."""
 
-  def __init__(self, name: str, r: int, dtype: str, remat: str, timed: bool):
+  def __init__(self, name: str, r: int, dtype: str, remat: str, timed: bool,
+               loss_chunk: int | None = None):
     self.name, self.r, self.remat = name, r, remat
-    self.cfg = cfg = shape_config(name, r, dtype, remat)
+    self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk)
+    self.loss_chunk = cfg.train.loss_chunk
     self.accum = config_lib.grad_accum_steps(cfg.train)
     self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
     mesh = distributed.make_mesh(jax.devices()[:1])
@@ -225,6 +234,7 @@ class OurStep:
     fl = flop_counts(cfg, self.r)
     res = dict(
         shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
+        loss_chunk=self.loss_chunk,
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
         config=train_lib.config_dict(cfg), compile_s=self.compile_s,
@@ -254,7 +264,9 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
   sh = SHAPES[name]
   r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
   timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
-  ours = [OurStep(name, r, dtype, c, timed) for c in (FLAGS.remat or [sh.remat])]
+  chunks = [int(c) for c in FLAGS.loss_chunk] or [sh.loss_chunk]
+  ours = [OurStep(name, r, dtype, c, timed, n) for c in (FLAGS.remat or [sh.remat])
+          for n in chunks]
   ref = None
   if FLAGS.reference_dir and name in REFERENCE_SHAPES:
     ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[
@@ -295,6 +307,8 @@ def check_flags() -> None:
   bad = [c for c in FLAGS.remat if c not in REMAT_CHOICES]
   if bad:
     flags_util.fail(f'--remat: unknown choices {bad}; known: {REMAT_CHOICES}')
+  if not all(c.isdigit() for c in FLAGS.loss_chunk):
+    flags_util.fail(f'--loss_chunk: {FLAGS.loss_chunk} must be integers >= 0')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
     flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
   if FLAGS.reference_dir:
@@ -339,7 +353,8 @@ def _print_table(doc: dict) -> None:
   print(head + '\n' + '-' * len(head))
   notes = set()
   for res in doc['results']:
-    line = (f'{res["shape"]:6} {res["remat"]:>8} {res["tokens_per_step"]:>8} ')
+    remat = res['remat'] + (f'/c{res["loss_chunk"]}' if res['loss_chunk'] else '')
+    line = (f'{res["shape"]:6} {remat:>8} {res["tokens_per_step"]:>8} ')
     temp = f'{res.get("temp_bytes", float("nan")) / 1e6:>8.0f}'
     if not res['timed']:
       print(line + f'{"(compiled only on cpu: not timed)":>46} {temp}  '
@@ -373,7 +388,7 @@ def main(argv):
     steps = max(1, min(FLAGS.steps, cap) if cap else FLAGS.steps)
     for res in bench_shape(name, steps, FLAGS.warmup, FLAGS.rounds):
       results.append(res)
-      print(f'{name} remat={res["remat"]}: ' + (
+      print(f'{name} remat={res["remat"]} loss_chunk={res["loss_chunk"]}: ' + (
           f'{res["tokens_per_s"]:,.1f} tok/s (median of {len(res["step_times_s"])})'
           if res['timed'] else 'compiled only') + f', compile {res["compile_s"]:.1f}s'
           + (f'; reference {res["reference"]["tokens_per_s"]:,.1f} tok/s'
@@ -386,7 +401,8 @@ def main(argv):
   doc = dict(
       date=datetime.datetime.now().isoformat(timespec='seconds'),
       command=' '.join(sys.argv), flags={k: FLAGS[k].value for k in (
-          'shapes', 'steps', 'warmup', 'cap_heavy', 'depth', 'dtype', 'remat', 'peak_n',
+          'shapes', 'steps', 'warmup', 'cap_heavy', 'depth', 'dtype', 'remat', 'loss_chunk',
+          'peak_n',
           'reference_dir', 'reference_threads', 'rounds')},
       jax_version=jax.__version__, backend=jax.default_backend(),
       devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(),

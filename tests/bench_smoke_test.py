@@ -19,7 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_train_writes_positive_numbers(tmp_path):
   out = tmp_path / 'bench_train.json'
   cmd = [sys.executable, '-m', 'experiments.bench_train', '--shapes=nano', '--steps=1',
-         '--warmup=1', '--peak_n=256', '--remat=nothing,off', f'--out={out}']
+         '--warmup=1', '--peak_n=256', '--remat=nothing,off', '--loss_chunk=0,5',
+         f'--out={out}']
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                         check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,8 +31,12 @@ def test_bench_train_writes_positive_numbers(tmp_path):
     assert key in doc
   assert doc['matmul_peak_flops'] > 0
   assert len(doc['load_avg_start']) == 3
-  res, off = doc['results']
-  assert (res['remat'], off['remat']) == ('nothing', 'off')
+  res, fused, off, _ = doc['results']
+  assert [(r['remat'], r['loss_chunk']) for r in doc['results']] == [
+      ('nothing', 0), ('nothing', 5), ('off', 0), ('off', 5)]
+  assert fused['config']['train']['loss_chunk'] == 5
+  # the fused head + cross-entropy gives the plain loss (same init and batch)
+  assert fused['first_loss'] == pytest.approx(res['first_loss'], rel=1e-5)
   assert off['temp_bytes'] > res['temp_bytes'] > 0  # remat trades recompute for memory
   assert off['flops_per_token_hw'] == off['flops_per_token']  # nothing recomputed
   assert res['shape'] == 'nano' and 'reference' not in res  # no --reference_dir
@@ -50,7 +55,8 @@ def test_bench_train_writes_positive_numbers(tmp_path):
 
 @pytest.mark.parametrize('flag,needle', [
     ('--reference_dir=/nonexistent', 'holds no recpre/raven_modeling_minimal.py'),
-    ('--remat=some', "--remat: unknown choices ['some']")])
+    ('--remat=some', "--remat: unknown choices ['some']"),
+    ('--loss_chunk=-1', '--loss_chunk')])
 def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
   proc = subprocess.run([sys.executable, '-m', 'experiments.bench_train', '--shapes=nano',
                          flag], cwd=REPO, capture_output=True, text=True, timeout=120,

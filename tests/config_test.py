@@ -64,6 +64,7 @@ BAD = {
     'train.keep_checkpoints': [0, -1],
     'train.log_every': [0, -1],
     'train.max_skips': [-1], 'train.fsdp': [0, 1.5], 'train.peak_flops': [-1.0, float('nan')],
+    'train.loss_chunk': [-1, 2.5],
     'exit.eps': [-0.1, NAN, INF],
     'exit.depth': [0, -1],
     'exit.min_loops': [0, -1, 33],  # 33 > exit.max_loops

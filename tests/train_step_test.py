@@ -175,15 +175,18 @@ def test_grad_accumulation_equals_big_batch_with_uneven_masks(accum_setup, mesh,
   assert trees_max_diff(p2, p1) < 1e-5
 
 
-def test_remat_policy_trains_like_plain_autodiff(make_config, mesh, make_batch):
-  """depth.remat_policy=dots reaches the step (every policy's gradient: recurrence_test)
-  and gives the losses and parameters of remat off."""
+def test_remat_policy_and_fused_loss_train_like_plain_autodiff(make_config, mesh, make_batch):
+  """depth.remat_policy=dots and train.loss_chunk (the fused head + cross-entropy, chunks
+  that do not divide the tokens) reach the step (every policy's gradient: recurrence_test;
+  head_nll's: losses_test) and give the losses and parameters of remat off."""
   base = dict(mean=3.0, sigma=0.0, r_max=3, buckets=(3,))  # one branch: a fast compile
   batches = [distributed.shard_batch([make_batch(make_config(), 40 + i, mask_frac=0.2)],
                                      mesh, 1) for i in range(2)]
   runs = {}
-  for name, depth in [('off', dict(remat=False)), ('dots', dict(remat_policy='dots'))]:
-    cfg = make_config(depth={**base, **depth})
+  for name, depth, train in [('off', dict(remat=False), {}),
+                             ('dots', dict(remat_policy='dots'), {}),
+                             ('loss_chunk', {}, dict(loss_chunk=7))]:
+    cfg = make_config(depth={**base, **depth}, train=train)
     graphdef, _ = train_lib.init_state(cfg, seed=0)
     step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
     state, losses = fresh_state(cfg, mesh), []
