@@ -41,6 +41,15 @@ class AttentionIn(str, enum.Enum):
                  # of work between positions has to be done by the loops
 
 
+class AttentionImpl(str, enum.Enum):
+  """How full-sequence causal attention (training, scoring without hooks) is computed."""
+  AUTO = 'auto'        # chunked on CPU; jax.nn.dot_product_attention elsewhere (cuDNN
+                       # flash attention on a GPU where it applies, else XLA)
+  CHUNKED = 'chunked'  # model.causal_attention: kv-group-major, causal query chunks
+  XLA = 'xla'          # jax.nn.dot_product_attention(implementation='xla')
+  CUDNN = 'cudnn'      # jax.nn.dot_product_attention(implementation='cudnn'), GPU only
+
+
 class ExitEngine(str, enum.Enum):
   """How teacher-forced scoring runs the exit loop (see inference.py)."""
   MASKED = 'masked'        # every loop runs all B x L tokens; exited ones are masked
@@ -82,6 +91,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   init_state: InitState = InitState.RANDOM
   attention: AttentionIn = AttentionIn.ALL  # all | core (MLP-only prelude and coda)
+  attention_impl: AttentionImpl = AttentionImpl.AUTO  # see AttentionImpl
   init_std: float = 0.02
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6

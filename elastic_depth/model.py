@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from elastic_depth import recurrence
-from elastic_depth.config import DepthConfig, AttentionIn, InitState, ModelConfig, RematPolicy
+from elastic_depth.config import (AttentionImpl, AttentionIn, DepthConfig, InitState, ModelConfig,
+                                  RematPolicy)
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
 
@@ -131,6 +132,29 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:
   return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, h, k)
 
 
+def _library_attention(impl: str) -> Callable:
+  """jax.nn.dot_product_attention (causal) with one implementation (None: jax chooses)."""
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation=impl)
+
+
+ATTENTION_IMPLS = {  # the full-sequence causal attention of AttentionImpl (AUTO: resolved)
+    AttentionImpl.CHUNKED: causal_attention,
+    AttentionImpl.XLA: _library_attention('xla'),
+    AttentionImpl.CUDNN: _library_attention('cudnn'),
+}
+
+
+def attention_fn(impl: AttentionImpl) -> Callable:
+  """The attention of `impl`; AUTO is chunked on CPU, jax's own choice on accelerators."""
+  impl = AttentionImpl(impl)
+  if impl == AttentionImpl.AUTO:
+    if jax.default_backend() == 'cpu':
+      return causal_attention
+    return _library_attention(None)
+  return ATTENTION_IMPLS[impl]
+
+
 class Attention(nnx.Module):
   """Causal grouped-query attention with RoPE."""
 
@@ -145,6 +169,7 @@ class Attention(nnx.Module):
       self.k_bias_GxK = nnx.Param(jnp.zeros((g, k), jnp.float32))
     self.qk_bias = cfg.qk_bias
     self.theta = cfg.rope_theta
+    self.impl = AttentionImpl(cfg.attention_impl)
     self.dtype = DTYPES[cfg.dtype]
 
   @jax.named_scope('attention')
@@ -161,7 +186,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, rot), apply_rope(k, rot)
     with jax.named_scope('sdpa'):
       if kv_fn is None:  # training and full-sequence forwards: plain causal attention
-        o = causal_attention(q, k, v)
+        o = attention_fn(self.impl)(q, k, v)
       else:
         k, v, mask = kv_fn(k, v)
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)

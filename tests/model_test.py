@@ -202,6 +202,25 @@ def test_causal_attention_matches_numpy_and_its_gradient_jax(l):
     np.testing.assert_allclose(f64(g), f64(want_g), rtol=1e-4, atol=1e-5)
 
 
+def test_attention_impls_agree_on_the_model_and_its_gradient(model_cfg):
+  """model.attention_impl: auto (chunked on CPU), chunked and xla give one model."""
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, model_cfg.vocab_size, (2, 9)))
+  out = {}
+  for impl in ('auto', 'chunked', 'xla'):
+    mdl = model_lib.build_model(dataclasses.replace(model_cfg, attention_impl=impl), seed=0)
+    graphdef, params = nnx.split(mdl, nnx.Param)
+    def loss(p):
+      m = nnx.merge(graphdef, p)
+      return jnp.sum(jnp.sin(m.forward(tokens, jax.random.key(0), model_lib.fixed(2)).logits))
+    out[impl] = jax.value_and_grad(loss)(params)
+  for impl in ('auto', 'xla'):
+    np.testing.assert_allclose(float(out[impl][0]), float(out['chunked'][0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[impl][1]), jax.tree.leaves(out['chunked'][1])):
+      np.testing.assert_allclose(f64(a), f64(b), rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError):
+    model_lib.attention_fn('flash')
+
+
 def test_attention_explicit_causal_mask_via_kv_fn(model_cfg):
   attn = model_lib.Attention(model_cfg, nnx.Rngs(0))
   randomise(attn, 4)
