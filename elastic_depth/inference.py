@@ -194,12 +194,14 @@ def _compact_step(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, 
   needs_head = policy in policies.HEAD_POLICIES
   _, reads = policies.check_schedule(policy, cfg.min_loops, cfg.check_every, loop_cap(cfg))
   b, l = pos.shape
+  rot = model.rotary(pos)  # once, outside the while_loop; each loop gathers its rows
 
   def step(idx, s, carry, i):
     kv, coda_kv, chk, n_coda, n_head = carry
     g = lambda x: recurrence.gather_rows(x, idx)
     pos_c, s_c = g(pos), g(s)
-    s_new, kv = model.core_step(s_c, g(e), pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in kv])
+    s_new, kv = model.core_step(s_c, g(e), pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in kv],
+                                rot=jax.tree.map(g, rot))
     h_new, coda_kv = _compact_readout(model, s, s_new, idx, pos, coda_kv, compact_coda,
                                       needs_head, reads(i))
     check_fn, _ = policies.make_check_fn(
