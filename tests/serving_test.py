@@ -166,8 +166,9 @@ def test_bad_input_is_one_error_line(setup):
 def test_compacted_passes_equal_all_rows_passes(setup):
   """B = 8 rows, two tiers, ragged prompts: compacted readouts/admissions change nothing."""
   mdl, rng, cfg, eps_B, _ = setup
-  prompts = jnp.asarray([PROMPTS[b % 3][::1 - 2 * (b // 3 % 2)] for b in range(8)], jnp.int32)
-  plen = jnp.asarray([PLEN[b % 3] if b < 6 else 2 + b % 3 for b in range(8)], jnp.int32)
+  prompts = jnp.asarray(PROMPTS + [[9, 5, 17, 3], [0, 31, 2, 40], [4, 3, 2, 1], [7, 11, 0, 0],
+                                   [22, 8, 30, 0]], jnp.int32)
+  plen = jnp.asarray(PLEN + [4, 3, 4, 2, 3], jnp.int32)
   eps8 = jnp.tile(eps_B, 3)[:8][::-1]
 
   def engine(compact: bool):
