@@ -7,7 +7,7 @@ max_loops) reads out its logits, picks its next token, runs the prelude on it an
 starts that token's loop 1 at the next step, while the other rows keep looping on
 their own tokens; a row that has produced its n_new tokens is idle. Rows therefore
 sit at different positions: per-row positions, cache writes and attention masks. The
-core runs over all B rows at every step (idle rows masked): there is no compaction.
+core runs over all B rows at every step (idle rows masked).
 
 Per row the semantics are exactly `decoding.generate`'s (cached semantics, the same
 initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
@@ -16,8 +16,13 @@ tokens and depths do not depend on the other rows. Each row may carry its own ep
 loop, and for gated_kl a state change below the gate) the coda and head read the
 loop-(i-1) and loop-i states in one pass, and a firing check's logits are the token's
 output; a token that stops at max_loops without a check at that loop gets a final
-readout. Both passes run batched over all B rows at a step where any row needs them;
-the Counts below record what executed.
+readout. These readouts and the admission (sampling, prelude and its cache writes,
+initial state) run on the rows that need them only: `compaction.on_rows` gathers those
+rows (their states, positions, logits and cache rows) into a buffer of the smallest of
+0, 1, 2, 4, ..., B slots that holds them (one lax.switch branch each), runs the pass
+there and scatters its results and fresh keys/values back (padding slots dropped).
+`run(..., compact=False)` runs them over all B rows whenever any row needs them (the
+engine before compaction, a benchmark baseline). The Counts below record what executed.
 """
 
 import dataclasses
@@ -35,12 +40,16 @@ _POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.
 
 
 class Counts(NamedTuple):
-  """Work the engine executed (row passes: rows of the batch a pass ran over)."""
+  """Work the engine executed (row passes: rows of the buffer a pass ran over).
+
+  A compacted pass over n rows executes its bucket: the smallest power of two >= n,
+  capped at B (0 when n = 0; B for every pass with compact=False).
+  """
   steps: jax.Array         # engine steps (one core loop each), int32 []
   core_rows: jax.Array     # core loops x rows executed (all B rows every step), int32 []
   active_rows: jax.Array   # of which rows with a token in flight (= sum of depths), int32 []
-  readout_rows: jax.Array  # coda + head readouts x rows (all B rows at a readout step)
-  prelude_rows: jax.Array  # prelude passes x rows (all B rows at an admission step)
+  readout_rows: jax.Array  # coda + head readouts x bucket rows (a paired check: 2 per row)
+  prelude_rows: jax.Array  # prelude passes x bucket rows (B for the first tokens)
   prefill: Any = None      # inference.Counts of the prompt's parallel prefill
 
 
