@@ -72,6 +72,7 @@ class State(NamedTuple):
   logits: jax.Array        # [B, V] output of each row's last exited token
   tokens: jax.Array        # [B, T]
   depth: jax.Array         # [B, n_new]
+  init: jax.Array          # [T, 1, D] initial state of a token at each position
   counts: Counts
 
 
@@ -118,7 +119,7 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
     prelude = [ck if f is None else tuple(put(c, x) for c, x in zip(ck, f))
                for ck, f in zip(st.cache.prelude, fresh)]
     return st._replace(cache=st.cache._replace(prelude=prelude),
-                       s=rows.put(st.s, model.initial_state(e_C, rng, pos_C[:, None])),
+                       s=rows.put(st.s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
                        e=rows.put(st.e, e_C), pos=rows.put(st.pos, pos_C),
                        loop=rows.put(st.loop, jnp.zeros_like(pos_C)),
                        tokens=st.tokens.at[rows.idx, pos_C].set(tok_C, mode='drop'))
@@ -265,10 +266,14 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   cache = decoding.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
                          fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
+  t = p + n_new  # initial states are a pure function of (rng, position): drawn once
+  init = model.initial_state(jnp.zeros((1, t) + res.e.shape[2:], res.e.dtype), rng,
+                             jnp.arange(t)[None])[0][:, None]
   st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
-             jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
-             jnp.zeros((b, n_new), jnp.int32), Counts(zero, zero, zero, zero, zero, res.counts))
+             jnp.zeros((b, t), jnp.int32).at[:, :p].set(prompt_BxP),
+             jnp.zeros((b, n_new), jnp.int32), init,
+             Counts(zero, zero, zero, zero, zero, res.counts))
   st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
   return st, res.depth, eps_B
 
