@@ -60,6 +60,6 @@ def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Calla
     (results, the capacity used: int32 [], the rows the pass executed).
   """
   caps_K = jnp.asarray(caps, jnp.int32)
-  k = jnp.searchsorted(caps_K, jnp.sum(mask_B.astype(jnp.int32)))
+  k = jnp.sum(caps_K < jnp.sum(mask_B.astype(jnp.int32)))  # (searchsorted: a while loop)
   branch = lambda cap: skip if cap == 0 else (lambda *a: run(Rows(mask_B, cap), *a))
   return lax.switch(k, [branch(c) for c in caps], *args), caps_K[k]
