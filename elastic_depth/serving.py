@@ -7,7 +7,7 @@ max_loops) reads out its logits, picks its next token, runs the prelude on it an
 starts that token's loop 1 at the next step, while the other rows keep looping on
 their own tokens; a row that has produced its n_new tokens is idle. Rows therefore
 sit at different positions: per-row positions, cache writes and attention masks. The
-core runs over all B rows at every step (idle rows masked): there is no compaction.
+core runs over all B rows at every step (idle rows masked).
 
 Per row the semantics are exactly `decoding.generate`'s (cached semantics, the same
 initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
@@ -16,8 +16,13 @@ tokens and depths do not depend on the other rows. Each row may carry its own ep
 loop, and for gated_kl a state change below the gate) the coda and head read the
 loop-(i-1) and loop-i states in one pass, and a firing check's logits are the token's
 output; a token that stops at max_loops without a check at that loop gets a final
-readout. Both passes run batched over all B rows at a step where any row needs them;
-the Counts below record what executed.
+readout. These readouts and the admission (sampling, prelude and its cache writes,
+initial state) run on the rows that need them only: `compaction.on_rows` gathers those
+rows (their states, positions, logits and cache rows) into a buffer of the smallest of
+0, 1, 2, 4, ..., B slots that holds them (one lax.switch branch each), runs the pass
+there and scatters its results and fresh keys/values back (padding slots dropped).
+`run(..., compact=False)` runs them over all B rows whenever any row needs them (the
+engine before compaction, a benchmark baseline). The Counts below record what executed.
 """
 
 import dataclasses
@@ -27,21 +32,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import decoding, inference, losses, policies
+from elastic_depth import compaction, decoding, inference, losses, policies
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM
 
 _POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.STATE_DELTA)
-_READS = (ExitPolicy.KL, ExitPolicy.GATED_KL)  # policies whose check reads out (paired)
 
 
 class Counts(NamedTuple):
-  """Work the engine executed (row passes: rows of the batch a pass ran over)."""
+  """Work the engine executed (row passes: rows of the buffer a pass ran over).
+
+  A compacted pass over n rows executes its bucket: the smallest power of two >= n,
+  capped at B (0 when n = 0; B for every pass with compact=False).
+  """
   steps: jax.Array         # engine steps (one core loop each), int32 []
   core_rows: jax.Array     # core loops x rows executed (all B rows every step), int32 []
   active_rows: jax.Array   # of which rows with a token in flight (= sum of depths), int32 []
-  readout_rows: jax.Array  # coda + head readouts x rows (all B rows at a readout step)
-  prelude_rows: jax.Array  # prelude passes x rows (all B rows at an admission step)
+  readout_rows: jax.Array  # coda + head readouts x bucket rows (a paired check: 2 per row)
+  prelude_rows: jax.Array  # prelude passes x bucket rows (B for the first tokens)
   prefill: Any = None      # inference.Counts of the prompt's parallel prefill
 
 
@@ -64,6 +72,7 @@ class State(NamedTuple):
   logits: jax.Array        # [B, V] output of each row's last exited token
   tokens: jax.Array        # [B, T]
   depth: jax.Array         # [B, n_new]
+  init: jax.Array          # [T, 1, D] initial state of a token at each position
   counts: Counts
 
 
@@ -97,24 +106,25 @@ def _pick(logits_BxV, pos_B, rng, temperature: float):
   return jax.vmap(draw)(keys, logits_BxV).astype(jnp.int32)
 
 
-def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float) -> State:
+def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
+           caps) -> State:
   """Rows in mask_B pick their token at pos_B from st.logits and start it at loop 0."""
-  tok_B = _pick(st.logits, pos_B, rng, temperature)
-  pos_Bx1 = pos_B[:, None]
-  cache = st.cache
-  e, pre, _ = _run_cached(lambda f: model.encode(tok_B[:, None], pos_Bx1, f), cache.prelude,
-                          pos_B, mask_B)
-  s0 = model.initial_state(e, rng, pos_Bx1)
-  m = mask_B[:, None, None]
-  rows = jnp.arange(tok_B.shape[0])
-  tokens = st.tokens.at[rows, jnp.where(mask_B, pos_B, st.tokens.shape[1])].set(
-      tok_B, mode='drop')
-  b = jnp.int32(tok_B.shape[0])
-  counts = st.counts._replace(prelude_rows=st.counts.prelude_rows + b)
-  return st._replace(cache=cache._replace(prelude=pre),
-                     s=jnp.where(m, s0, st.s), e=jnp.where(m, e, st.e),
-                     pos=jnp.where(mask_B, pos_B, st.pos),
-                     loop=jnp.where(mask_B, 0, st.loop), tokens=tokens, counts=counts)
+  def run(rows, st):
+    pos_C = rows.take(pos_B)
+    tok_C = _pick(rows.take(st.logits), pos_C, rng, temperature)
+    pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
+    e_C, _, fresh = _run_cached(lambda f: model.encode(tok_C[:, None], pos_C[:, None], f),
+                                pre, pos_C, jnp.ones_like(pos_C, bool))
+    put = lambda c, x: c.at[rows.idx, pos_C].set(x[:, 0].astype(c.dtype), mode='drop')
+    prelude = [ck if f is None else tuple(put(c, x) for c, x in zip(ck, f))
+               for ck, f in zip(st.cache.prelude, fresh)]
+    return st._replace(cache=st.cache._replace(prelude=prelude),
+                       s=rows.put(st.s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
+                       e=rows.put(st.e, e_C), pos=rows.put(st.pos, pos_C),
+                       loop=rows.put(st.loop, jnp.zeros_like(pos_C)),
+                       tokens=st.tokens.at[rows.idx, pos_C].set(tok_C, mode='drop'))
+  st, cap = compaction.on_rows(mask_B, caps, run, lambda st: st, st)
+  return st._replace(counts=st.counts._replace(prelude_rows=st.counts.prelude_rows + cap))
 
 
 def _is_check(cfg: ExitConfig, i):
@@ -135,17 +145,25 @@ def _pair_kv(cache_kv, pos_B, fresh: list):
   return fn
 
 
-def _coda(model: LoopedLM, st: State, x, kv_fn):
+def _coda(model: LoopedLM, caches, pos_B, x, kv_fn):
   """Coda + head over x [B, Q, D] with per-block kv_fn(cache, fresh list): logits, fresh (k, v)."""
-  fresh = [[] for _ in st.cache.coda]
-  pos = jnp.broadcast_to(st.pos[:, None], x.shape[:2])
-  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(st.cache.coda, fresh)])
+  fresh = [[] for _ in caches]
+  pos = jnp.broadcast_to(pos_B[:, None], x.shape[:2])
+  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(caches, fresh)])
   z = jnp.zeros((x.shape[0], 1) + kvs[0][0].shape[2:], kvs[0][0].dtype) if kvs else None
   return model.logits(h), [f[0] if f else (z, z) for f in fresh]
 
 
-def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B):
-  """decode_step's paired check where a row may exit: (fires, ran, logits of loop i, coda kv)."""
+def _take_coda(rows, st: State):
+  """The pass's rows of the coda caches and positions."""
+  return [tuple(rows.take(c) for c in ck) for ck in st.cache.coda], rows.take(st.pos)
+
+
+def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps):
+  """decode_step's paired check where a row may exit.
+
+  Returns (fires, ran, logits of loop i, coda kv, readout rows executed).
+  """
   want = act & _is_check(cfg, i)
   if cfg.policy == ExitPolicy.GATED_KL:
     want &= policies.relative_change(s_new, st.s)[:, 0] < cfg.gate
@@ -153,31 +171,35 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B):
   zk = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   skip = (jnp.full((b,), jnp.inf), jnp.zeros((b, model.cfg.vocab_size), jnp.float32),
           [(zk, zk)] * model.cfg.n_coda)
+  none = jnp.zeros_like(act)
   if cfg.policy == ExitPolicy.UNIFORM:
-    return jnp.zeros_like(act), jnp.zeros_like(act), skip[1], skip[2]
+    return none, none, skip[1], skip[2], jnp.int32(0)
   if cfg.policy == ExitPolicy.STATE_DELTA:  # no readout: an exit reads out in _final
     fire = want & (policies.relative_change(s_new, st.s)[:, 0] < eps_B)
-    return fire, jnp.zeros_like(act), skip[1], skip[2]
+    return fire, none, skip[1], skip[2], jnp.int32(0)
 
-  def pair(_):
-    logits, kv = _coda(model, st, jnp.concatenate([st.s, s_new], 1),
-                       lambda c, f: _pair_kv(c, st.pos, f))
-    return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv
-  kl, logits, kv = lax.cond(jnp.any(want), pair, lambda _: skip, None)
-  return want & (kl < eps_B), want, logits, kv
+  def pair(rows, kl, logits, kv):
+    caches, pos_C = _take_coda(rows, st)
+    x = jnp.concatenate([rows.take(st.s), rows.take(s_new)], 1)
+    out, fresh = _coda(model, caches, pos_C, x, lambda c, f: _pair_kv(c, pos_C, f))
+    return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
+            rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
+  (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
+  return want & (kl < eps_B), want, logits, kv, 2 * cap  # a pair reads 2 states per row
 
 
-def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv):
+def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
   """Rows in need_B (exits without a fresh check) read out their final state."""
-  def run(_):
-    out, fresh = _coda(model, st, s_new, lambda c, f: _row_kv(c, st.pos, need_B, f))
-    return out[:, 0], fresh
-  new_logits, new_kv = lax.cond(jnp.any(need_B), run, lambda _: (logits, kv), None)
-  keep = lambda n, o: jnp.where(need_B.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-  return keep(new_logits, logits), jax.tree.map(keep, new_kv, kv)
+  def run(rows, logits, kv):
+    caches, pos_C = _take_coda(rows, st)
+    write = jnp.ones_like(pos_C, bool)  # into the pass's copy: its own key at pos
+    out, fresh = _coda(model, caches, pos_C, rows.take(s_new),
+                       lambda c, f: _row_kv(c, pos_C, write, f))
+    return rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh)
+  return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
 
 
-def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
+def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps,
           st: State) -> State:
   """One engine step: a core loop for every in-flight token, exits, admissions."""
   n_new = st.depth.shape[1]
@@ -186,27 +208,22 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float,
   s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.e, st.pos[:, None], f),
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
-  fire, ran, logits, kv = _check(model, cfg, st, s_new, act, i, eps_B)
+  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps)
   done = fire | (act & (i >= inference.loop_cap(cfg)))
-  logits, kv = _final(model, st, s_new, done & ~ran, logits, kv)
+  (logits, kv), n_final = _final(model, st, s_new, done & ~ran, logits, kv, caps)
   rows = jnp.arange(act.shape[0])
   coda = [_row_kv(c, st.pos, done, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
   b = jnp.int32(act.shape[0])
   c = st.counts
-  n_pair = jnp.any(ran).astype(jnp.int32) * 2 * b if cfg.policy in _READS else 0
   counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
-                      readout_rows=c.readout_rows + n_pair
-                      + jnp.any(done & ~ran).astype(jnp.int32) * b)
+                      readout_rows=c.readout_rows + n_pair + n_final)
   st = st._replace(cache=st.cache._replace(core=core, coda=coda), s=s_new, loop=i,
                    n=st.n + done.astype(jnp.int32),
                    logits=jnp.where(done[:, None], logits, st.logits), depth=depth,
                    counts=counts)
-  admit = done & (st.n < n_new)
-  return lax.cond(jnp.any(admit),
-                  lambda st: _admit(model, st, admit, st.pos + 1, rng, temperature),
-                  lambda st: st, st)
+  return _admit(model, st, done & (st.n < n_new), st.pos + 1, rng, temperature, caps)
 
 
 def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
@@ -249,32 +266,43 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   cache = decoding.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
                          fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
+  t = p + n_new  # initial states are a pure function of (rng, position): drawn once
+  init = model.initial_state(jnp.zeros((1, t) + res.e.shape[2:], res.e.dtype), rng,
+                             jnp.arange(t)[None])[0][:, None]
   st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
-             jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
-             jnp.zeros((b, n_new), jnp.int32), Counts(zero, zero, zero, zero, zero, res.counts))
-  st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature)
+             jnp.zeros((b, t), jnp.int32).at[:, :p].set(prompt_BxP),
+             jnp.zeros((b, n_new), jnp.int32), init,
+             Counts(zero, zero, zero, zero, zero, res.counts))
+  st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
   return st, res.depth, eps_B
 
 
 def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
-        temperature: float = 0.0) -> State:
-  """Engine steps until every row has produced `until` tokens (default: all n_new)."""
-  n_new = st.depth.shape[1]
+        temperature: float = 0.0, compact: bool = True) -> State:
+  """Engine steps until every row has produced `until` tokens (default: all n_new).
+
+  compact=False runs the readouts and admissions over all B rows whenever any row needs
+  them (the engine before compaction; a benchmark baseline).
+  """
+  n_new, b = st.depth.shape[1], st.depth.shape[0]
   until = n_new if until is None else until
+  caps = compaction.pow2_capacities(b) if compact else (0, b)
   cond = lambda st: jnp.any(st.n < jnp.minimum(until, n_new))
-  return lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, rng, temperature, st), st)
+  return lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, rng, temperature, caps, st),
+                        st)
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
-             eps_B=None, prompt_len_B=None, temperature: float = 0.0) -> Generation:
+             eps_B=None, prompt_len_B=None, temperature: float = 0.0,
+             compact: bool = True) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
-  Args: as `start`.
+  Args: as `start`; compact as `run`.
   Returns:
     Generation (tokens, per-token depths, prompt depths, executed Counts).
   """
   st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
                             prompt_len_B=prompt_len_B, temperature=temperature)
-  st = run(model, st, cfg, rng, eps_B, temperature=temperature)
+  st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact)
   return Generation(st.tokens, st.depth, pdepth, st.counts)

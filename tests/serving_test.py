@@ -85,22 +85,48 @@ def _schedule(depth_BxN):
   return steps, loops, ends
 
 
+def _bucket(n: int, b: int) -> int:
+  """Rows a pass over n of b rows executes: 0, or the smallest power of two >= n, capped at b."""
+  return 0 if n == 0 else min(b, 1 << (n - 1).bit_length())
+
+
+def _replay(depth_BxN, cfg, *, paired: bool):
+  """Per step, the rows needing a paired check, a final readout and an admission."""
+  steps, loops, ends = _schedule(depth_BxN)
+  first = max(cfg.min_loops, 2)
+  is_check = lambda i: i >= first and (i - cfg.min_loops) % cfg.check_every == 0
+  out = []
+  for t, ls in enumerate(loops):
+    nxt = loops[t + 1] if t + 1 < steps else [0] * len(ls)
+    exits = [i > 0 and nxt[b] in (0, 1) for b, i in enumerate(ls)]
+    pairs = [paired and i > 0 and is_check(i) for i in ls]  # kl: no gate
+    finals = [x and not p for x, p in zip(exits, pairs)]
+    admits = [t + 1 in e for e in ends]
+    out.append((sum(pairs), sum(finals), sum(admits)))
+  return steps, out
+
+
+def _assert_counts_replayed(depth, cfg, counts, *, paired: bool):
+  """Counts equal the replay, each pass counted at its bucket; returns the buckets used."""
+  b = depth.shape[0]
+  steps, per_step = _replay(depth, cfg, paired=paired)
+  assert int(counts.steps) == steps
+  assert int(counts.core_rows) == b * steps
+  assert int(counts.active_rows) == depth.sum()
+  assert int(counts.readout_rows) == sum(2 * _bucket(p, b) + _bucket(f, b)
+                                         for p, f, _ in per_step)  # a pair reads 2 states
+  assert int(counts.prelude_rows) == b + sum(_bucket(a, b) for _, _, a in per_step)
+  return {_bucket(n, b) for row in per_step for n in row} - {0}
+
+
 def test_counts_equal_the_brute_force_schedule(setup):
   _, _, cfg, _, out = setup
   depth = np.asarray(out.depth)
-  b = depth.shape[0]
-  first = max(cfg.min_loops, 2)
-  is_check = lambda i: i >= first and (i - cfg.min_loops) % cfg.check_every == 0
-  steps, loops, ends = _schedule(depth)
-  pairs = sum(any(i > 0 and is_check(i) for i in ls) for ls in loops)  # kl: no gate
-  finals = sum(any(i >= R and not is_check(i) for i in ls) for ls in loops)
-  admits = 1 + len(set().union(*ends))  # the first tokens, then steps where a row moves on
-  c = out.counts
-  assert int(c.steps) == steps
-  assert int(c.core_rows) == b * steps
-  assert int(c.active_rows) == depth.sum()
-  assert int(c.readout_rows) == 2 * b * pairs + b * finals  # a paired check reads 2 states
-  assert int(c.prelude_rows) == b * admits
+  _assert_counts_replayed(depth, cfg, out.counts, paired=True)
+  # the schedule alone: a final readout only where a token stops at R off a check loop
+  finals = sum(f for _, f, _ in _replay(depth, cfg, paired=True)[1])
+  assert finals == sum(d == R and not (R - cfg.min_loops) % cfg.check_every == 0
+                       for d in depth.ravel())
 
 
 def test_state_change_rows_equal_their_own_generation():
@@ -111,12 +137,7 @@ def test_state_change_rows_equal_their_own_generation():
   depth = np.asarray(out.depth)
   assert len(np.unique(depth)) > 2  # ragged exits
   _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
-  steps, loops, ends = _schedule(depth)
-  finals = sum(any(i > 0 and ((t + 1) < len(loops) and loops[t + 1][b] in (0, 1)
-                              or t + 1 == len(loops)) for b, i in enumerate(ls))
-               for t, ls in enumerate(loops))
-  assert int(out.counts.steps) == steps
-  assert int(out.counts.readout_rows) == len(PROMPTS) * finals  # only exits read out
+  _assert_counts_replayed(depth, cfg, out.counts, paired=False)  # only exits read out
 
 
 def test_uniform_equals_lockstep_generation():
@@ -140,3 +161,29 @@ def test_bad_input_is_one_error_line(setup):
     serving.generate(mdl, p, N, config.ExitConfig(policy='router'), rng)
   with pytest.raises(ValueError, match='error: eps_B'):
     serving.generate(mdl, p, N, config.ExitConfig(), rng, eps_B=jnp.ones((2,)))
+
+
+def test_compacted_passes_equal_all_rows_passes(setup):
+  """B = 8 rows, two tiers, ragged prompts: compacted readouts/admissions change nothing."""
+  mdl, rng, cfg, eps_B, _ = setup
+  prompts = jnp.asarray(PROMPTS + [[9, 5, 17, 3], [0, 31, 2, 40], [4, 3, 2, 1], [7, 11, 0, 0],
+                                   [22, 8, 30, 0]], jnp.int32)
+  plen = jnp.asarray(PLEN + [4, 3, 4, 2, 3], jnp.int32)
+  eps8 = jnp.tile(eps_B, 3)[:8][::-1]
+
+  def engine(compact: bool):
+    def fn(p, e, n):
+      st, _, e = serving.start(mdl, p, N, cfg, rng, eps_B=e, prompt_len_B=n)
+      return serving.run(mdl, st, cfg, rng, e, compact=compact)
+    return jax.jit(fn)(prompts, eps8, plen)
+  new, old = engine(True), engine(False)
+  depth = np.asarray(new.depth)
+  assert len(np.unique(depth)) > 2
+  for name in ('tokens', 'depth', 'pos', 'loop', 'n'):
+    np.testing.assert_array_equal(np.asarray(getattr(new, name)), np.asarray(getattr(old, name)))
+  for x, y in zip(jax.tree.leaves((new.logits, new.s, new.e, new.cache)),
+                  jax.tree.leaves((old.logits, old.s, old.e, old.cache))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  assert {1, 2, 4, 8} <= _assert_counts_replayed(depth, cfg, new.counts, paired=True)
+  assert int(new.counts.readout_rows) < int(old.counts.readout_rows)
+  assert int(new.counts.prelude_rows) < int(old.counts.prelude_rows)

@@ -1,0 +1,65 @@
+"""Batch-row compaction: a pass runs on the rows that need it, in a static-size buffer.
+
+`on_rows` gathers the rows of a mask into a buffer of the smallest capacity (from a few
+static sizes, one `lax.switch` branch each) that holds them, runs a pass there and lets
+it scatter its results back; capacity 0 skips the pass. Padding slots point at row B:
+scatters drop them (`mode='drop'`), gathers read row B - 1 (`mode='clip'`) and their
+results are discarded. A capacity-B buffer is the batch itself (no gather; scatters keep
+the unmasked rows). `recurrence.early_exit_compacted` does the same per position within
+rows (the compacted scorer); this is its batch-row counterpart (the serving engine).
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def pow2_capacities(b: int) -> tuple[int, ...]:
+  """0 (skip), the powers of two below b, then b."""
+  caps, j = [0], 1
+  while j < b:
+    caps.append(j)
+    j *= 2
+  return tuple(caps + [b])
+
+
+class Rows:
+  """The rows of a pass: idx_C into the batch (padding: B), and how to take and put rows."""
+
+  def __init__(self, mask_B: jax.Array, cap: int):
+    b = mask_B.shape[0]
+    self.full = cap == b  # the buffer is the batch in order: no gather
+    self.mask = mask_B
+    self.idx = (jnp.where(mask_B, jnp.arange(b), b) if self.full
+                else jnp.nonzero(mask_B, size=cap, fill_value=b)[0])
+
+  def take(self, x_B: jax.Array) -> jax.Array:
+    """x's rows of the buffer [C, ...] (padding slots: row B - 1)."""
+    return x_B if self.full else jnp.take(x_B, self.idx, axis=0, mode='clip')
+
+  def put(self, x_B: jax.Array, y_C: jax.Array) -> jax.Array:
+    """x with the buffer's rows set to y (padding slots dropped)."""
+    if self.full:
+      return jnp.where(self.mask.reshape((-1,) + (1,) * (x_B.ndim - 1)), y_C.astype(x_B.dtype),
+                       x_B)
+    return x_B.at[self.idx].set(y_C.astype(x_B.dtype), mode='drop')
+
+
+def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Callable, *args):
+  """run(Rows, *args) on mask_B's rows in the smallest of caps that holds them.
+
+  Args:
+    mask_B: bool [B], the rows the pass needs.
+    caps: static capacities, increasing, from 0 (skip) to B.
+    run: (Rows, *args) -> full-batch results (scattered back with Rows.put).
+    skip: (*args) -> the same structure when no row needs the pass.
+    *args: operands of run and skip.
+  Returns:
+    (results, the capacity used: int32 [], the rows the pass executed).
+  """
+  caps_K = jnp.asarray(caps, jnp.int32)
+  k = jnp.sum(caps_K < jnp.sum(mask_B.astype(jnp.int32)))  # (searchsorted: a while loop)
+  branch = lambda cap: skip if cap == 0 else (lambda *a: run(Rows(mask_B, cap), *a))
+  return lax.switch(k, [branch(c) for c in caps], *args), caps_K[k]
