@@ -114,9 +114,10 @@ SHAPES = {
     'tiny': Shape(None, None, 8),
     # the comparison points with the reference; remat per shape (WORKSPACE.md, issue 13):
     # S keeps the matmul outputs (faster, memory is no concern there), P recomputes them
-    # (no more memory than before)
+    # (no more memory than before) and fuses the head and loss in chunks of 512 tokens
+    # (faster and smaller there; not at S's 4k vocab)
     'S': _shape('S', 256, 8, 8, remat='dots'),
-    'P': _shape('P', 512, 2, 8, max_steps=3),  # the 135M block shape
+    'P': _shape('P', 512, 2, 8, max_steps=3, loss_chunk=512),  # the 135M block shape
     # P with 9 kv heads: the reference's config has no GQA, so this is P at its FLOPs
     'Pmha': dataclasses.replace(_shape('P', 512, 2, 8, max_steps=3), model=dict(
         bench_util.MODEL_SHAPES['P'], num_kv_heads=9, max_len=512)),
