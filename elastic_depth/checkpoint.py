@@ -164,12 +164,20 @@ def wait(mngr: ocp.CheckpointManager) -> None:
     raise _save_error(mngr, -1, e) from e
 
 
+# Model fields that choose how the same weights are computed, not what they mean.
+COMPUTE_FIELDS = ('dtype', 'attention_impl')
+
+
 def check_model_config(saved: dict, cfg: ModelConfig, where: str) -> None:
-  """Raises CheckpointError naming every model field that differs from the checkpoint."""
-  now = dataclasses.asdict(cfg)
-  now = json.loads(json.dumps(now))
-  diff = {k: (saved.get(k), v) for k, v in now.items()
-          if k != 'dtype' and saved.get(k) != v}
+  """Raises CheckpointError naming every model field that differs from the checkpoint.
+
+  A field the checkpoint does not record (added to ModelConfig after it was saved) is
+  compared as its default; COMPUTE_FIELDS may differ.
+  """
+  now = json.loads(json.dumps(dataclasses.asdict(cfg)))
+  default = json.loads(json.dumps(dataclasses.asdict(ModelConfig())))
+  was = lambda k: saved.get(k, default[k])
+  diff = {k: (was(k), v) for k, v in now.items() if k not in COMPUTE_FIELDS and was(k) != v}
   if diff:
     lines = ', '.join(f'{k}: checkpoint={a!r} vs config={b!r}' for k, (a, b) in diff.items())
     raise MismatchError(f'checkpoint {where} was trained with a different model '

@@ -3,7 +3,9 @@
 In-process on small pytrees (no model, nothing compiled).
 """
 
+import dataclasses
 import errno
+import json
 import os
 import shutil
 
@@ -153,6 +155,17 @@ def test_other_model_config_or_tokenizer_is_an_error_not_a_fall_back(workdir):
     checkpoint.load_state(workdir, make_state(0), other)
   assert list(mngr.all_steps()) == [1, 2]
   checkpoint.check_tokenizer(None, SyntheticVocab(10), 'old')  # older checkpoints: no check
+
+
+def test_model_config_check_ignores_compute_choices_and_defaults_fields_added_since():
+  saved = json.loads(json.dumps(dataclasses.asdict(MODEL)))
+  del saved['attention_impl']  # a checkpoint from before the field existed
+  checkpoint.check_model_config(saved, MODEL, 'old')
+  checkpoint.check_model_config(saved, dataclasses.replace(MODEL, attention_impl='xla',
+                                                           dtype='bfloat16'), 'old')
+  del saved['rope_theta']  # a field the checkpoint lacks is compared as its default
+  with pytest.raises(checkpoint.MismatchError, match='rope_theta: checkpoint=10000.0 vs'):
+    checkpoint.check_model_config(saved, dataclasses.replace(MODEL, rope_theta=500.0), 'old')
 
 
 def test_tokenizer_fingerprint_sees_the_vocabulary_not_only_its_size():
