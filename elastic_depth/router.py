@@ -30,8 +30,10 @@ class Harvest(NamedTuple):
 def _recorded_loop(r_max: int) -> model_lib.LoopFn:
   """Loop policy: r_max loops, recording each loop's state (fp32) and argmax prediction."""
   def loop(mdl, s0, e, pos):
+    step = mdl.step_fn(e, pos)  # RoPE tables once, outside the scan
+
     def body(s, _):
-      s = mdl.core_step(s, e, pos)[0]
+      s = step(s)
       am = jnp.argmax(mdl.logits(mdl.decode_state(s, pos)[0]), -1)
       return s, (s.astype(jnp.float32), am)
     return jax.lax.scan(body, s0, None, length=r_max)

@@ -180,7 +180,6 @@ class OurStep:
                loss_chunk: int | None = None):
     self.name, self.r, self.remat = name, r, remat
     self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk)
-    self.loss_chunk = cfg.train.loss_chunk
     self.accum = config_lib.grad_accum_steps(cfg.train)
     self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
     mesh = distributed.make_mesh(jax.devices()[:1])
@@ -235,7 +234,7 @@ class OurStep:
     fl = flop_counts(cfg, self.r)
     res = dict(
         shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
-        loss_chunk=self.loss_chunk,
+        loss_chunk=cfg.train.loss_chunk,
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
         config=train_lib.config_dict(cfg), compile_s=self.compile_s,
