@@ -334,7 +334,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           extra_curves: Optional[Mapping[str, Curve]] = None,
           semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
           trace: Optional[Trace] = None, timing_repeats: int = 3,
-          check_every: Sequence[int] = (1,), progress: bool = False) -> dict:
+          check_every: Sequence[int] = (1,), min_loops: Sequence[int] = (1,),
+          progress: bool = False) -> dict:
   """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
 
   Args:
@@ -355,6 +356,9 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
       (`wall_clock`, medians of this many interleaved runs; 0: not timed).
     check_every: for each k > 1, every curve again with checks every k loops
       (named '<curve>/every<k>').
+    min_loops: for each m > 1, every curve again with no exit before loop m (named
+      '<curve>/min<m>'); the books then also judge each check over all its min_loops
+      (`books.check_books`: '<curve>/min*').
     progress: tqdm bars.
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
@@ -374,6 +378,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     specs['router'] = Curve('router', router_grid or [float(x) for x in
                                                       np.linspace(0.05, 0.95, 10)], router)
   specs.update(extra_curves or {})
+  specs.update({f'{n}/min{m}': c._replace(min_loops=int(m))
+                for m in min_loops if int(m) > 1 for n, c in list(specs.items())})
   specs.update({f'{n}/every{k}': c._replace(check_every=int(k))
                 for k in check_every if int(k) > 1 for n, c in list(specs.items())})
   specs = {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)

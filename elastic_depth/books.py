@@ -2,6 +2,7 @@
 what its check executes per core loop, and a cheap check's frontier against the exact one
 at equal mean loops (issue 10)."""
 
+import re
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -118,32 +119,67 @@ def lower_envelope(mean_loops: Sequence[float], loss: Sequence[float]):
   return m[keep], l[keep]
 
 
-def frontier_gap(exact: Mapping, cheap: Mapping,
-                 loss_cap: float = np.inf) -> Optional[dict]:
+def _lowest(envs, grid):
+  """Per grid point, the lowest loss of the envelopes there: an envelope holds its last
+  loss beyond its last point (reachable at up to m loops) and is absent before its first."""
+  vals = []
+  for m, l in envs:
+    v = np.interp(grid, m, l)
+    v[grid < m[0]] = np.inf
+    vals.append(v)
+  return np.min(vals, axis=0)
+
+
+def _crossings(envs, grid):
+  """Mean loops between grid points where two envelopes (linear there) cross."""
+  out = []
+  for i in range(len(envs)):
+    for j in range(i + 1, len(envs)):
+      with np.errstate(invalid='ignore'):  # inf - inf where neither covers: no crossing
+        d = _lowest([envs[i]], grid) - _lowest([envs[j]], grid)
+      a, b = d[:-1], d[1:]
+      ok = np.isfinite(a) & np.isfinite(b) & (a * b < 0)
+      out.append(grid[:-1][ok] + (grid[1:] - grid[:-1])[ok] * a[ok] / (a[ok] - b[ok]))
+  return np.concatenate(out) if out else np.zeros(0)
+
+
+def frontier_gap(exact: Mapping, cheap, loss_cap: float = np.inf) -> Optional[dict]:
   """How much a cheap check's frontier loses against the exact one at equal mean loops.
 
-  Both frontiers are the lower envelopes of their (mean loops, loss) points joined
-  linearly; they are compared at every breakpoint of either inside the mean-loop range
-  both cover. Positive gap: the cheap check is worse.
+  A frontier is the lower envelope of a curve's (mean loops, loss) points joined
+  linearly; a family of curves (one check at several min_loops) has, at each mean loops,
+  the lowest of its members' frontiers there. The frontiers are compared at every
+  breakpoint, and every crossing of two members, inside the mean-loop range both cover.
+  Positive gap: the cheap check is worse.
 
   Args:
-    exact, cheap: curves with 'mean_loops' and 'loss' lists.
+    exact: a curve with 'mean_loops' and 'loss' lists.
+    cheap: such a curve, or a list of them (a family).
     loss_cap: compare only where the exact frontier's loss is at most this (the
       operating range, e.g. within delta of uniform depth at the training mean).
   Returns:
     {'max_gap', 'at_mean_loops', 'range', 'points'}, or None without overlap.
   """
   me, le = lower_envelope(exact['mean_loops'], exact['loss'])
-  mc, lc = lower_envelope(cheap['mean_loops'], cheap['loss'])
-  lo, hi = max(me[0], mc[0]), min(me[-1], mc[-1])
+  envs = [lower_envelope(c['mean_loops'], c['loss'])
+          for c in (cheap if isinstance(cheap, (list, tuple)) else [cheap])]
+  lo = max(me[0], min(m[0] for m, _ in envs))
+  hi = min(me[-1], max(m[-1] for m, _ in envs))
   if lo > hi:
     return None
-  grid = np.unique(np.concatenate([me, mc, [lo, hi]]))
+  grid = np.unique(np.concatenate([me, *[m for m, _ in envs], [lo, hi]]))
+  grid = np.unique(np.concatenate([grid, _crossings(envs, grid)]))
   grid = grid[(grid >= lo) & (grid <= hi)]
   grid = grid[np.interp(grid, me, le) <= loss_cap]
   if not len(grid):
     return None
-  gap = np.interp(grid, mc, lc) - np.interp(grid, me, le)
+  gap = _lowest(envs, grid) - np.interp(grid, me, le)
+  # where a member starts, the family's frontier drops: its value just before counts too
+  starts = [(k, m[0]) for k, (m, _) in enumerate(envs) if len(envs) > 1 and m[0] > grid[0]]
+  for k, x in starts:
+    if x <= grid[-1] and np.interp(x, me, le) <= loss_cap:
+      before = _lowest(envs[:k] + envs[k + 1:], np.array([x]))[0] - np.interp(x, me, le)
+      gap[grid == x] = np.maximum(gap[grid == x], before)
   i = int(np.argmax(gap))
   return {'max_gap': float(gap[i]), 'at_mean_loops': float(grid[i]),
           'range': [float(grid[0]), float(grid[-1])], 'points': int(len(grid))}
@@ -155,27 +191,56 @@ def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> l
                                   curve['mean_heads'], seq_len)).tolist()
 
 
+def _family(name: str) -> Optional[str]:
+  """'kl/min3/every2@cached' -> 'kl/min*/every2@cached'; None without a /min<m> part."""
+  m = re.search(r'/min\d+', name)
+  return None if m is None else name[:m.start()] + '/min*' + name[m.end():]
+
+
+def _judged(ref: Optional[Mapping], c: Mapping, cap: float, cost_135m: list) -> dict:
+  """A curve's (or family's) frontier against the exact curve, overall and operating."""
+  gap = None if ref is None or ref is c else frontier_gap(ref, c)
+  return {'frontier_vs_exact': gap,
+          'frontier_vs_exact_operating': None if gap is None else frontier_gap(ref, c, cap),
+          'meets': None if gap is None else bool(
+              gap['max_gap'] <= FRONTIER_TOLERANCE and max(cost_135m) <= CHECK_BUDGET)}
+
+
 def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
                 exact: str = 'kl') -> dict:
   """Per curve of a sweep: check cost per loop at its shape and at the 135M blocks, and
   its frontier against the exact curve of the same semantics (None where absent), over
   the whole overlap and over the operating range (exact loss within the headline's
-  delta of uniform depth at the training mean)."""
+  delta of uniform depth at the training mean).
+
+  Curves that differ only in min_loops ('<c>/min<m>', and '<c>' itself: m = 1) are also
+  judged together as '<c>/min*': one check, tuned by both its threshold and min_loops,
+  whose frontier at each mean loops is the best of its members' there.
+  """
   big = config_lib.ModelConfig(**config_lib.BLOCKS_135M)
-  out = {}
+  out, families = {}, {}
   for name, c in res['curves'].items():
     if 'mean_heads' not in c:
       continue
     sem = name.split('@')[1] if '@' in name else None
     ref = res['curves'].get(exact if sem is None else f'{exact}@{sem}')
-    gap = None if ref is None or ref is c else frontier_gap(ref, c)
     h = res['headline'].get(name, {})
     cap = h.get('ref_loss', np.inf) + h.get('delta', 0.0)
     cost_135m = curve_costs(c, big, SEQ_135M)
     out[name] = {'cost': curve_costs(c, mcfg, seq_len), 'cost_135m': cost_135m,
-                 'exact': exact, 'frontier_vs_exact': gap,
-                 'frontier_vs_exact_operating': (None if gap is None else
-                                                 frontier_gap(ref, c, cap)),
-                 'meets': None if gap is None else bool(
-                     gap['max_gap'] <= FRONTIER_TOLERANCE and max(cost_135m) <= CHECK_BUDGET)}
+                 'exact': exact, **_judged(ref, c, cap, cost_135m)}
+    fam = _family(name)
+    if fam is not None:
+      families.setdefault(fam, [fam.replace('/min*', '', 1)]).append(name)
+  for fam, names in families.items():
+    members = [n for n in names if n in out]
+    pts = [res['curves'][n] for n in members]
+    sem = fam.split('@')[1] if '@' in fam else None
+    ref = res['curves'].get(exact if sem is None else f'{exact}@{sem}')
+    h = res['headline'].get(members[0], {})
+    cost = [x for n in members for x in out[n]['cost']]
+    cost_135m = [x for n in members for x in out[n]['cost_135m']]
+    out[fam] = {'cost': cost, 'cost_135m': cost_135m, 'exact': exact, 'members': members,
+                **_judged(None if any(ref is c for c in pts) else ref,
+                          pts, h.get('ref_loss', np.inf) + h.get('delta', 0.0), cost_135m)}
   return out

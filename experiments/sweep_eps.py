@@ -38,6 +38,7 @@ class SweepOptions:
   calibrated: bool = True                         # mark calibrate_eps's eps if chosen
   timing_repeats: int = 3                         # time each best point against A0
   check_every: tuple[int, ...] = (1,)             # also every curve checked every k loops
+  min_loops: tuple[int, ...] = (1,)               # also every curve with no exit before m
 
 
 # EPS_GRID and DELTA are shared with experiments.calibrate_eps
@@ -65,6 +66,9 @@ TIMING_REPEATS = flags.DEFINE_integer('timing_repeats', SweepOptions.timing_repe
                                       'runs (0: no timing).')
 CHECK_EVERY = flags.DEFINE_list('check_every', ['1'], 'For each k > 1, every curve again '
                                 'with checks every k loops (<curve>/every<k>).')
+MIN_LOOPS = flags.DEFINE_list('min_loops', ['1'], 'For each m > 1, every curve again with '
+                              'no exit before loop m (<curve>/min<m>); the books judge each '
+                              'check over all of them too (<curve>/min*).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -81,16 +85,17 @@ def options_from_flags() -> SweepOptions:
                       router_grid=_floats(ROUTER_GRID.value, 'router_grid'),
                       semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value,
                       timing_repeats=TIMING_REPEATS.value,
-                      check_every=_check_every(CHECK_EVERY.value))
+                      check_every=_positive_ints(CHECK_EVERY.value, 'check_every'),
+                      min_loops=_positive_ints(MIN_LOOPS.value, 'min_loops'))
 
 
-def _check_every(xs) -> tuple[int, ...]:
+def _positive_ints(xs, name: str) -> tuple[int, ...]:
   try:
     ks = tuple(int(x) for x in xs)
   except ValueError:
     ks = ()
   if not ks or min(ks) < 1:
-    raise common.SetupError(f'--check_every: want positive integers, got {",".join(xs)}')
+    raise common.SetupError(f'--{name}: want positive integers, got {",".join(xs)}')
   return ks
 
 
@@ -145,7 +150,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,
                        extra_curves=extra, timing_repeats=x.timing_repeats,
-                       check_every=x.check_every,
+                       check_every=x.check_every, min_loops=x.min_loops,
                        progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,

@@ -38,6 +38,33 @@ def test_frontier_gap_matches_a_dense_brute_force_grid():
         pytest.approx(g['max_gap']))
 
 
+def test_family_gap_matches_a_dense_brute_force_grid():
+  """A family's frontier is, at each mean loops, the best member's there (which can peak
+  between breakpoints, where two members cross)."""
+  rs = np.random.default_rng(1)
+  for _ in range(20):
+    me = rs.uniform(1, 8, 9)
+    exact = {'mean_loops': me, 'loss': 2 + 1 / me + rs.normal(0, 0.01, 9)}
+    members = []
+    for _ in range(int(rs.integers(2, 4))):
+      m = rs.uniform(rs.uniform(1, 4), 9, 6)
+      members.append({'mean_loops': m, 'loss': 2 + 1 / m + rs.normal(0, 0.03, 6)})
+    g = books.frontier_gap(exact, members)
+    pe, envs = _pareto_brute(exact['mean_loops'], exact['loss']), [
+        _pareto_brute(c['mean_loops'], c['loss']) for c in members]
+    lo = max(pe[0][0], min(e[0][0] for e in envs))
+    hi = min(pe[0][-1], max(e[0][-1] for e in envs))
+    assert g['range'] == pytest.approx([lo, hi])
+    grid = np.linspace(lo, hi, 200001)
+    # a member holds its last loss beyond its last point, and is absent before its first
+    best = np.min([np.where(grid >= e[0][0], np.interp(grid, *e), np.inf) for e in envs], axis=0)
+    dense = best - np.interp(grid, *pe)
+    assert g['max_gap'] >= dense.max() - 1e-12
+    assert g['max_gap'] == pytest.approx(dense.max(), abs=1e-4)
+  one = books.frontier_gap(exact, members[0])
+  assert books.frontier_gap(exact, [members[0]]) == one
+
+
 def test_frontier_gap_of_a_shifted_curve_is_the_shift():
   m = [1.0, 2.0, 3.0, 5.0]
   loss = [3.0, 2.5, 2.2, 2.1]
@@ -114,6 +141,29 @@ def test_sweep_books_from_the_engines_counts():
   fb = model_lib.flops_per_token(big, 0, books.SEQ_135M)
   assert bk['kl']['cost_135m'][0] == pytest.approx(
       (R * fb['coda_head'] + R * 5 * big.d_model) / (R * fb['loop']))
+
+
+def test_sweep_min_loops_curves_and_their_family():
+  """--min_loops adds '<curve>/min<m>' (no exit before loop m), and the books judge the
+  check over all its min_loops as '<curve>/min*'."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
+  rs = np.random.default_rng(0)
+  batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
+                  targets=rs.integers(0, 48, (B, L)).astype(np.int32),
+                  mask=np.ones((B, L), np.float32))]
+  res = analysis.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=[0.0, 1e9],
+                       curves=('kl', 'state_delta'), state_delta_grid=[0.0, 1e9],
+                       timing_repeats=0, min_loops=(1, 3))
+  c = res['curves']
+  # eps 0 never exits (R = 4 loops); a huge eps exits at the first check: loop 2, or m
+  assert c['state_delta']['mean_loops'] == pytest.approx([4.0, 2.0])
+  assert c['state_delta/min3']['mean_loops'] == pytest.approx([4.0, 3.0])
+  assert c['kl/min3']['mean_loops'] == pytest.approx([4.0, 3.0])
+  bk = res['check_books']
+  assert bk['state_delta/min*']['members'] == ['state_delta', 'state_delta/min3']
+  assert bk['state_delta/min*']['frontier_vs_exact'] == books.frontier_gap(
+      c['kl'], [c['state_delta'], c['state_delta/min3']])
+  assert bk['kl/min*']['frontier_vs_exact'] is None  # the exact curve is a member
 
 
 def test_operating_range_compares_only_where_the_exact_loss_is_low():

@@ -216,3 +216,10 @@ def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
   bad = subprocess.run(cmd[:5] + ['--max_new_tokens=0'], cwd=REPO, capture_output=True,
                        text=True, timeout=120, check=False)
   assert bad.returncode == 2 and bad.stderr.startswith('error: --max_new_tokens')
+
+
+def test_sweep_list_flags_name_a_bad_value():
+  assert sweep_eps._positive_ints(['1', '3'], 'min_loops') == (1, 3)
+  for bad in (['0'], ['x'], ['2', '-1']):
+    with pytest.raises(common.SetupError, match='--min_loops: want positive integers'):
+      sweep_eps._positive_ints(bad, 'min_loops')
