@@ -1,4 +1,4 @@
-"""Batch-row compaction: a pass runs on the rows that need it, in a static-size buffer.
+"""Compaction: a pass runs on the rows (or tokens) that need it, in a static-size buffer.
 
 `on_rows` gathers the rows of a mask into a buffer of the smallest capacity (from a few
 static sizes, one `lax.switch` branch each) that holds them, runs a pass there and lets
@@ -7,6 +7,8 @@ scatters drop them (`mode='drop'`), gathers read row B - 1 (`mode='clip'`) and t
 results are discarded. A capacity-B buffer is the batch itself (no gather; scatters keep
 the unmasked rows). `recurrence.early_exit_compacted` does the same per position within
 rows (the compacted scorer); this is its batch-row counterpart (the serving engine).
+`compact_attention` is the compacted scorer's attention: a buffer's queries against
+their whole rows' keys/values.
 """
 
 from typing import Callable
@@ -63,3 +65,45 @@ def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Calla
   k = jnp.sum(caps_K < jnp.sum(mask_B.astype(jnp.int32)))  # (searchsorted: a while loop)
   branch = lambda cap: skip if cap == 0 else (lambda *a: run(Rows(mask_B, cap), *a))
   return lax.switch(k, [branch(c) for c in caps], *args), caps_K[k]
+
+
+def _chunks(c: int, min_chunk: int = 16, max_chunks: int = 4) -> int:
+  """Query chunks of compact_attention: the most (<= max_chunks) that divide c evenly."""
+  return next(n for n in range(max_chunks, 0, -1) if c % n == 0 and c // n >= min_chunk
+              or n == 1)
+
+
+def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> jax.Array:
+  """Softmax attention of a right-aligned buffer's queries over their rows' keys/values.
+
+  Args:
+    q_BxCxHxK: queries of C slots per row (`recurrence.right_aligned`: slot c holds a
+      position <= L - C + c; padding slots may hold anything).
+    k_BxGxLxK, v_BxGxLxK: the rows' keys/values, kv-group-major.
+    qpos_BxC, kpos_BxL: positions of the queries and keys (increasing along L): a query
+      sees the keys at positions <= its own.
+  Returns:
+    o_BxCxHxK. Scores and softmax in fp32; the rep = H / G query heads of a kv head are
+    stacked along the query rows (as `model.causal_attention`), and the queries of chunk
+    i only meet the keys before L - C + (i + 1) C / n: fewer keys for the early slots.
+  """
+  b, c, h, kd = q_BxCxHxK.shape
+  g, l = k_BxGxLxK.shape[1:3]
+  rep = h // g
+  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
+  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, rep, kd).transpose(0, 2, 3, 1, 4) * scale
+  n = _chunks(c)
+  w = c // n
+  outs = []
+  for i in range(n):
+    end = l - c + (i + 1) * w
+    q_BxGxQxK = q_BxGxRxCxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
+    s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxLxK[:, :, :end],
+                           preferred_element_type=jnp.float32)
+    see_BxWxS = kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
+    see = jnp.tile(see_BxWxS, (1, rep, 1))[:, None]  # query row r * w + t is slot t
+    p = jax.nn.softmax(jnp.where(see, s_BxGxQxS, -jnp.inf), axis=-1)
+    o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxLxK.dtype), v_BxGxLxK[:, :, :end])
+    outs.append(o.reshape(b, g, rep, w, kd))
+  o_BxGxRxCxK = jnp.concatenate(outs, axis=3)
+  return o_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import policies, recurrence
+from elastic_depth import compaction, policies, recurrence
 from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy
 from elastic_depth.model import LoopedLM
 
@@ -141,82 +141,106 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
 
 
 def _scatter_kv(kv_prev, idx_BxC, pos_BxL, pos_BxC):
-  """kv_fn for gathered queries: their fresh (k, v) overwrite the row's buffers [B, L, G, K]."""
-  def fn(k, v):
-    ks = recurrence.scatter_rows(kv_prev[0], idx_BxC, k)
-    vs = recurrence.scatter_rows(kv_prev[1], idx_BxC, v)
-    return ks, vs, (pos_BxL[:, None, :] <= pos_BxC[:, :, None])[:, None]
-  return fn
+  """kv_fn for a buffer's queries: their fresh (k, v) overwrite the rows' kv-group-major
+  buffers [B, G, L, K] at idx (slots pointing past the row write nothing), and they
+  attend there (`compaction.compact_attention`)."""
+  rows = jnp.arange(idx_BxC.shape[0])[:, None]
+  put = lambda x, y: x.at[rows, :, idx_BxC].set(y.astype(x.dtype), mode='drop')
+  attend = lambda q, k, v: compaction.compact_attention(q, k, v, pos_BxC, pos_BxL)
+  return lambda k, v: (put(kv_prev[0], k), put(kv_prev[1], v), attend)
 
 
-def _compact_readout(model, s, s_new, idx, pos, coda_kv, compact_coda, needs_head, read):
-  """(h of the gathered tokens, coda kv buffers) at a loop whose p_i a check reads.
+def _group_major(kv):
+  """Per block (k, v) [B, L, G, K] <-> [B, G, L, K]."""
+  return [(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) for k, v in kv]
+
+
+class _Buffer(NamedTuple):
+  """A phase's buffer: positions idx_BxC in the rows, and what it gathered once."""
+  idx: jax.Array      # [B, C] (padding slots: L)
+  s: jax.Array        # full states at the phase's start [B, L, D]
+  pos: jax.Array      # [B, C]
+  e: jax.Array        # [B, C, D]
+  rot: Any            # RoPE tables of the slots
+
+
+def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_coda,
+                     needs_head, read):
+  """(h of the buffer's tokens, coda kv buffers) at a loop whose p_i a check reads.
 
   Elsewhere (read False) h is zeros and the buffers are unchanged; without a KL policy
-  there is no readout.
+  there is no readout. put_idx: idx with the slots of exited tokens pointing past the row.
   """
   if compact_coda:
-    pos_c = recurrence.gather_rows(pos, idx)
     return lax.cond(read, lambda: model.decode_state(
-        s_new, pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in coda_kv]),
+        s_new, buf.pos, [_scatter_kv(x, put_idx, pos, buf.pos) for x in coda_kv]),
                     lambda: (jnp.zeros_like(s_new), coda_kv))
   if needs_head:  # later coda blocks depend on every token: run all, gather
-    full = lambda: model.decode_state(recurrence.scatter_rows(s, idx, s_new), pos)[0]
-    return lax.cond(read, lambda: recurrence.gather_rows(full(), idx),
+    full = lambda: model.decode_state(recurrence.scatter_rows(buf.s, buf.idx, s_new), pos)[0]
+    return lax.cond(read, lambda: recurrence.gather_rows(full(), buf.idx),
                     lambda: jnp.zeros_like(s_new)), coda_kv
   return jnp.zeros((), s_new.dtype), coda_kv
 
 
-def _gathered_check(check_fn, chk: policies.CheckCarry, idx, s_new, s_c, i, needs_head):
-  """check_fn on the gathered tokens, with the gathered part of its full-size carry.
+def _gathered_check(check_fn, chk: policies.CheckCarry, idx, put_idx, s_new, s_c, i, live,
+                    needs_head):
+  """check_fn on the buffer's live tokens, with the gathered part of its full-size carry.
 
-  Returns (exit_BxC, the carry scattered back, readouts and head products it ran).
+  Returns (exit_BxC, the carry scattered back at put_idx, readouts and head products it ran).
   """
   g = lambda x: recurrence.gather_rows(x, idx)
-  put = lambda x, y: recurrence.scatter_rows(x, idx, y)
+  put = lambda x, y: recurrence.scatter_rows(x, put_idx, y)
   c = policies.CheckCarry(g(chk.prev) if needs_head else chk.prev, jnp.int32(0),
                           jnp.int32(0), g(chk.coda_BxL), g(chk.head_BxL))
-  valid = idx < chk.coda_BxL.shape[1]  # padding slots point past the row
-  want, c, _ = check_fn(s_new, s_c, c, i, valid)
+  want, c, _ = check_fn(s_new, s_c, c, i, live)
   chk = policies.CheckCarry(put(chk.prev, c.prev) if needs_head else chk.prev, chk.coda,
                             chk.head, put(chk.coda_BxL, c.coda_BxL), put(chk.head_BxL, c.head_BxL))
   return want, chk, c.coda, c.head
 
 
-def _compact_step(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, *, router,
-                  exit_mask_BxL, schedule_BxL):
-  """compact_exit_loop's step: one loop of the gathered tokens idx_BxC and their exit check.
+def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, *, router,
+                   exit_mask_BxL, schedule_BxL):
+  """compact_exit_loop's phase_fn: gathers a phase's buffer once; its step runs one loop
+  of the buffer's live tokens and their exit check.
 
   The carry is (core kv buffers, coda kv buffers, CheckCarry, coda token passes, head
-  token passes); returns (new gathered states, exit_BxC, carry).
+  token passes); a step returns (new buffer states, exit_BxC, carry).
   """
   policy = ExitPolicy(cfg.policy)
   needs_head = policy in policies.HEAD_POLICIES
   _, reads = policies.check_schedule(policy, cfg.min_loops, cfg.check_every, loop_cap(cfg))
   b, l = pos.shape
-  rot = model.rotary(pos)  # once, outside the while_loop; each loop gathers its rows
+  rot = model.rotary(pos)  # once, outside the while_loop; each phase gathers its rows
 
-  def step(idx, s, carry, i):
-    kv, coda_kv, chk, n_coda, n_head = carry
+  def phase(idx, s):
     g = lambda x: recurrence.gather_rows(x, idx)
-    pos_c, s_c = g(pos), g(s)
-    s_new, kv = model.core_step(s_c, g(e), pos_c, [_scatter_kv(x, idx, pos, pos_c) for x in kv],
-                                rot=jax.tree.map(g, rot))
-    h_new, coda_kv = _compact_readout(model, s, s_new, idx, pos, coda_kv, compact_coda,
-                                      needs_head, reads(i))
-    check_fn, _ = policies.make_check_fn(
-        policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
-        router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
-        check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg))
-    want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, s_new, s_c, i, needs_head)
-    n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
-    n_head += head_n * b * idx.shape[1]
-    if exit_mask_BxL is not None:
-      want = want & g(exit_mask_BxL)
-    if schedule_BxL is not None:
-      want = i >= g(schedule_BxL)
-    return s_new, want, (kv, coda_kv, chk, n_coda, n_head)
-  return step
+    buf = _Buffer(idx, s, g(pos), g(e), jax.tree.map(g, rot))
+    exit_c = None if exit_mask_BxL is None else g(exit_mask_BxL)
+    sched_c = None if schedule_BxL is None else g(schedule_BxL)
+
+    def step(live, s_c, carry, i):
+      kv, coda_kv, chk, n_coda, n_head = carry
+      put_idx = jnp.where(live, idx, l)  # exited slots write nothing
+      s_new, kv = model.core_step(s_c, buf.e, buf.pos,
+                                  [_scatter_kv(x, put_idx, pos, buf.pos) for x in kv], rot=buf.rot)
+      s_new = jnp.where(live[..., None], s_new, s_c)
+      h_new, coda_kv = _compact_readout(model, buf, put_idx, s_new, pos, coda_kv, compact_coda,
+                                        needs_head, reads(i))
+      check_fn, _ = policies.make_check_fn(
+          policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
+          router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
+          check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg))
+      want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, put_idx, s_new, s_c, i,
+                                                  live, needs_head)
+      n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
+      n_head += head_n * b * idx.shape[1]
+      if exit_c is not None:
+        want = want & exit_c
+      if sched_c is not None:
+        want = i >= sched_c
+      return s_new, want, (kv, coda_kv, chk, n_coda, n_head)
+    return step
+  return phase
 
 
 def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
@@ -224,14 +248,16 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
                       steps: int = 8):
   """Loop policy: the same per-token exit as `exit_loop`, run on the active tokens only.
 
-  Each loop gathers every row's active tokens into a buffer of one of
-  `recurrence.capacities(L, steps)` slots; the core runs on them (queries) against the
-  whole row's keys/values (fresh ones scattered into the per-block frozen buffers),
-  and so do the exit check's readout, head and KL (only at the loops a check reads, as
-  in `policies.make_check_fn`). With at most one coda block the coda is compacted too
-  (an exited token's coda keys/values are those of its last readout, which ran on its
-  final state); with more, later coda blocks' keys/values depend on other tokens, so the
-  coda runs on all tokens and its output is gathered. Depths and logits equal exit_loop's.
+  Loops run in phases of one capacity (`recurrence.early_exit_compacted`: every row's
+  active tokens in a buffer of one of `recurrence.capacities(L, steps)` slots, gathered
+  once per phase); the core runs on the buffer (queries) against the whole rows'
+  keys/values (kv-group-major buffers, the live tokens' fresh ones scattered in,
+  `compaction.compact_attention`), and so do the exit check's readout, head and KL
+  (only at the loops a check reads, as in `policies.make_check_fn`). With at most one
+  coda block the coda is compacted too (an exited token's coda keys/values are those of
+  its last readout, which ran on its final state); with more, later coda blocks'
+  keys/values depend on other tokens, so the coda runs on all tokens and its output is
+  gathered. Depths and logits equal exit_loop's.
   The aux output is a CompactAux (counts in executed token slots / (B x L)).
   """
   del targets_BxL  # only read by traces
@@ -243,27 +269,27 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   def loop(model: LoopedLM, s0, e, pos):
     c = model.cfg
     b, l = s0.shape[:2]
-    zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
+    zeros = jnp.zeros((b, c.num_kv_heads, l, c.head_dim), e.dtype)
     compact_coda = needs_head and c.n_coda <= 1
     # tokens inactive from the start offer the coda keys/values of their initial state
     pad = compact_coda and active_BxL is not None
-    coda_kv0 = (model.decode_state(s0, pos)[1] if pad else
+    coda_kv0 = (_group_major(model.decode_state(s0, pos)[1]) if pad else
                 [(zeros, zeros)] * c.n_coda if compact_coda else [])
     _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
                                        use_kernel=cfg.use_kernel)
 
-    step = _compact_step(model, cfg, e, pos, compact_coda, router=router,
-                         exit_mask_BxL=exit_mask_BxL, schedule_BxL=schedule_BxL)
+    phase = _compact_phase(model, cfg, e, pos, compact_coda, router=router,
+                           exit_mask_BxL=exit_mask_BxL, schedule_BxL=schedule_BxL)
     carry = ([(zeros, zeros) for _ in range(c.n_core)], coda_kv0, carry0(s0),
              jnp.int32(b * l if pad else 0), jnp.int32(0))
     res = recurrence.early_exit_compacted(
-        step, s0, carry, caps=recurrence.capacities(l, steps), min_loops=cfg.min_loops,
+        phase, s0, carry, caps=recurrence.capacities(l, steps), min_loops=cfg.min_loops,
         max_loops=loop_cap(cfg), check_every=cfg.check_every, active0=active_BxL)
     kv, _, chk, n_coda, n_head = res.carry
     per = lambda n: n.astype(jnp.float32) / (b * l) + 1.0  # + the final readout
     counts = Counts(res.slots.astype(jnp.float32) / (b * l), per(n_coda), per(n_head),
                     res.depth, chk.coda_BxL + 1, chk.head_BxL + 1)
-    return res.state, CompactAux(res.depth, kv, res.loops, res.slots, {}, counts)
+    return res.state, CompactAux(res.depth, _group_major(kv), res.loops, res.slots, {}, counts)
   return loop
 
 

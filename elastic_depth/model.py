@@ -7,7 +7,9 @@ One core step is `adapter(concat(state, e))` followed by the core blocks, where
 
 Attention takes an optional `kv_fn(k, v) -> (k_all, v_all, mask)` hook that the
 recurrence uses to freeze the keys/values of exited tokens or to read and write a
-KV cache; every block returns the keys/values it actually attended to.
+KV cache; every block returns the keys/values it actually attended to. The mask may
+instead be a function attend(q, k_all, v_all) -> o that attends itself (the compacted
+scorer's keys/values are kv-group-major, `compaction.compact_attention`).
 """
 
 import math
@@ -21,7 +23,7 @@ from elastic_depth import recurrence
 from elastic_depth.config import (AttentionImpl, AttentionIn, DepthConfig, InitState, ModelConfig,
                                   RematPolicy)
 
-KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Optional[jax.Array]]]
+KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Any]]  # mask: array/None/fn
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
@@ -189,7 +191,8 @@ class Attention(nnx.Module):
         o = attention_fn(self.impl)(q, k, v)
       else:
         k, v, mask = kv_fn(k, v)
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None)
+        o = (mask(q, k, v) if callable(mask) else
+             jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None))
     out = dense(o, self.wo_HxKxD[...].astype(dt), n_in=2)  # BLHK,HKD->BLD
     return out, (k, v)
 

@@ -168,22 +168,42 @@ def scatter_rows(x_BxL: jax.Array, idx_BxC: jax.Array, y_BxC: jax.Array) -> jax.
   return x_BxL.at[rows, idx_BxC].set(y_BxC.astype(x_BxL.dtype), mode='drop')
 
 
-def early_exit_compacted(step_fn: Callable, s0: jax.Array, carry0: Any, *,
+def right_aligned(active_BxL: jax.Array, cap: int) -> jax.Array:
+  """Per row, the positions of the active tokens in increasing order, in the last slots
+  of a [B, cap] buffer; the leading padding slots hold L.
+
+  So slot c holds a position <= L - cap + c in every row (what lets compacted attention
+  skip the keys no query of a slot range can see).
+  """
+  l = active_BxL.shape[1]
+  rev = jax.vmap(lambda a: jnp.nonzero(a[::-1], size=cap, fill_value=-1)[0])(active_BxL)
+  return (l - 1 - rev)[:, ::-1]
+
+
+def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
                          caps: Sequence[int], min_loops: int, max_loops: int,
                          check_every: int = 1,
                          active0: jax.Array | None = None) -> CompactExitResult:
   """Per-token early exit that runs each loop on the active tokens only.
 
-  At every loop the active tokens of each row are gathered (in position order) into
-  a [B, C] buffer, C the smallest of `caps` that holds the fullest row (one
-  lax.switch branch per capacity); slots past a row's count point at position L and
-  are dropped when results are scattered back. Decisions follow `early_exit`.
+  A loop runs on a [B, C] buffer of each row's active tokens, C the smallest of `caps`
+  that holds the fullest row. Rows only lose tokens, so C never grows: the loops run
+  in phases, one lax.while_loop per capacity from the largest down. A phase gathers its
+  tokens once (`right_aligned` slots; padding slots point at position L and are dropped
+  when results are scattered back) and keeps them while C is still the capacity needed:
+  a token that exits inside the phase keeps its slot, frozen (its state is kept, its
+  keys/values are no longer written). Its loops run on the buffer's states only: no
+  per-loop gather or scatter of [B, L] arrays, no copies of the carried buffers. The
+  states go back at the phase's end. Decisions follow `early_exit`.
 
   Args:
-    step_fn: (idx_BxC, s_BxLxD, carry, i) -> (s_new_BxCxD, exit_BxC, carry): one loop
-      of the gathered tokens idx (i: 1-based loop index); it gathers what it needs.
+    phase_fn: (idx_BxC, s_BxLxD) -> step, once per phase (idx: the buffer's positions,
+      s: the states at the phase's start; it gathers what stays fixed in the phase);
+      step(live_BxC, s_BxCxD, carry, i) -> (s_new_BxCxD, exit_BxC, carry) runs one loop
+      (i: 1-based loop index) of the buffer's slots; only the live ones may write into
+      the carry (full-size buffers).
     s0: initial state [B, L, D].
-    carry0: initial carry of step_fn (full-size buffers it scatters into).
+    carry0: initial carry of step.
     caps: static capacities, increasing, the last >= L.
     min_loops, max_loops, check_every, active0: as in `early_exit`.
   Returns:
@@ -191,30 +211,35 @@ def early_exit_compacted(step_fn: Callable, s0: jax.Array, carry0: Any, *,
   """
   b, l = s0.shape[:2]
   caps_C = jnp.asarray(caps, jnp.int32)
+  # the capacity index a buffer needs (a sum, not searchsorted: that is a while loop)
+  needed = lambda live: jnp.sum(caps_C < jnp.max(jnp.sum(live, axis=1)))
 
-  def branch(cap: int):
-    def run(i, s, active, carry):
-      idx = jax.vmap(lambda a: jnp.nonzero(a, size=cap, fill_value=l)[0])(active)
-      s_new, want, carry = step_fn(idx, s, carry, i)
-      want = scatter_rows(jnp.zeros((b, l), bool), idx, want)
-      return scatter_rows(s, idx, s_new), want, carry
-    return run
-  branches = [branch(cap) for cap in caps]
+  def phase(k: int, cap: int, i, s, active, depth, carry, slots):
+    idx = right_aligned(active, cap)
+    step = phase_fn(idx, s)
 
-  def cond(c):
-    return (c[0] < max_loops) & jnp.any(c[2])
+    def cond(c):
+      i, _, live = c[:3]
+      return (i < max_loops) & jnp.any(live) & (needed(live) == k)
 
-  def body(c):
-    i, s, active, depth, carry, slots = c
-    k = jnp.searchsorted(caps_C, jnp.max(jnp.sum(active, axis=1)))
-    i = i + 1
-    s, want, carry = lax.switch(k, branches, i, s, active, carry)
-    depth = depth + active.astype(jnp.int32)
-    may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
-    active = active & ~(want & may)
-    return i, s, active, depth, carry, slots + b * caps_C[k]
+    def body(c):
+      i, s_c, live, depth_c, carry, slots = c
+      i = i + 1
+      s_new, want, carry = step(live, s_c, carry, i)
+      s_c = jnp.where(live[..., None], s_new, s_c)
+      depth_c = depth_c + live.astype(jnp.int32)
+      may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
+      return i, s_c, live & ~(want & may), depth_c, carry, slots + b * cap
+
+    live = gather_rows(active, idx) & (idx < l)
+    init = (i, gather_rows(s, idx), live, gather_rows(depth, idx), carry, slots)
+    i, s_c, live, depth_c, carry, slots = lax.while_loop(cond, body, init)
+    return (i, scatter_rows(s, idx, s_c), scatter_rows(active, idx, live),
+            scatter_rows(depth, idx, depth_c), carry, slots)
 
   active = jnp.ones((b, l), bool) if active0 is None else active0
-  init = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0, jnp.int32(0))
-  i, s, _, depth, carry, slots = lax.while_loop(cond, body, init)
+  c = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0, jnp.int32(0))
+  for k in reversed(range(len(caps))):
+    c = phase(k, caps[k], *c)
+  i, s, _, depth, carry, slots = c
   return CompactExitResult(state=s, depth=depth, loops=i, slots=slots, carry=carry)

@@ -139,24 +139,28 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
 
 
 def parts(mdl, toks, repeats: int) -> dict:
-  """Where a compacted loop's time goes: ms for one core loop on all tokens, on half of
-  each row gathered/scattered through the compacted kv hooks, and on a plain half batch."""
+  """Where a compacted loop's time goes: ms for one core loop on all tokens, on a buffer of
+  half of each row (as a phase of compact_exit_loop runs it: states, injection and RoPE
+  rows gathered once per phase, fresh keys/values scattered into the rows'), and on a
+  plain half batch (the first half of each row)."""
   b, l = toks.shape
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
   c = mdl.cfg
-  z = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
-  idx = jnp.broadcast_to(jnp.arange(0, l, 2), (b, l // 2))
+  z = jnp.zeros((b, c.num_kv_heads, l, c.head_dim), e.dtype)
+  idx = recurrence.right_aligned(jnp.broadcast_to(jnp.arange(l) % 2 == 0, (b, l)), l // 2)
+  g = lambda x: recurrence.gather_rows(x, idx)
+  rot, half = mdl.rotary(pos), lambda x: x[:, :l // 2]
 
-  def compact(s):
-    g = lambda x: recurrence.gather_rows(x, idx)
+  def compact(s_c):
     fns = [inference._scatter_kv((z, z), idx, pos, g(pos)) for _ in range(c.n_core)]  # pylint: disable=protected-access
-    return recurrence.scatter_rows(s, idx, mdl.core_step(g(s), g(e), g(pos), fns)[0])
-  fns = {'loop_all_ms': lambda s: mdl.core_step(s, e, pos)[0],
-         'loop_half_compacted_ms': compact,
-         'loop_half_plain_ms': lambda s: mdl.core_step(s[:, ::2], e[:, ::2], pos[:, ::2])[0]}
-  return {k: 1e3 * bench_util.time_fn(jax.jit(f), (e,), repeats)['median_s']
-          for k, f in fns.items()}
+    return mdl.core_step(s_c, g(e), g(pos), fns, rot=jax.tree.map(g, rot))[0]
+  fns = {'loop_all_ms': (lambda s: mdl.core_step(s, e, pos, rot=rot)[0], e),
+         'loop_half_compacted_ms': (compact, g(e)),
+         'loop_half_plain_ms': (lambda s: mdl.core_step(s, half(e), half(pos),
+                                                        rot=jax.tree.map(half, rot))[0], half(e))}
+  return {k: 1e3 * bench_util.time_fn(jax.jit(f), (x,), repeats)['median_s']
+          for k, (f, x) in fns.items()}
 
 
 def matched_eps(mdl, batches, depth: int, policy: str, grid, tol: float = 0.01) -> dict:

@@ -1,12 +1,15 @@
 """Compacted early exit (exit.engine=compacted) against the masked engine it must equal."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import config, decoding, inference, model as model_lib, policies, recurrence
+from elastic_depth import (compaction, config, decoding, inference, model as model_lib, policies,
+                           recurrence)
 
 B, L, R = 2, 8, 6
 STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_change',
@@ -123,3 +126,42 @@ def test_capacities_and_bad_engine():
     config.validate(config.Config(exit=config.ExitConfig(engine='sparse')))
   with pytest.raises(ValueError, match='traces need exit.engine=masked'):
     inference.compact_exit_loop(config.ExitConfig(), trace=True)
+
+
+def test_right_aligned_slots():
+  """Each row's active positions, increasing, in the last slots; padding slots hold L."""
+  active = np.random.default_rng(5).random((3, 11)) < 0.4
+  active[2] = False
+  for cap in (5, 11):
+    got = np.asarray(recurrence.right_aligned(jnp.asarray(active), cap))
+    for b in range(3):
+      pos = np.flatnonzero(active[b])[-cap:]
+      want = np.concatenate([np.full(cap - len(pos), 11), pos])
+      np.testing.assert_array_equal(got[b], want)
+      assert np.all(got[b][got[b] < 11] <= 11 - cap + np.arange(cap)[got[b] < 11])
+
+
+def test_compact_attention_equals_float64_reference():
+  """Buffer queries over their rows (grouped heads, 2 query chunks) vs a numpy loop."""
+  b, l, c, h, g, k = 2, 40, 32, 4, 2, 8
+  r = np.random.default_rng(6)
+  active = r.random((b, l)) < 0.6
+  active[0, -c:] = True  # row 0 fills the buffer: its early slots see few keys
+  idx = recurrence.right_aligned(jnp.asarray(active), c)
+  pos = model_lib.positions(jnp.zeros((b, l), jnp.int32))
+  qpos = recurrence.gather_rows(pos, idx)
+  q, kk, vv = (r.normal(size=s).astype(np.float32) for s in ((b, c, h, k), (b, g, l, k),
+                                                             (b, g, l, k)))
+  got = np.asarray(compaction.compact_attention(jnp.asarray(q), jnp.asarray(kk),
+                                                jnp.asarray(vv), qpos, pos))
+  idx, checked = np.asarray(idx), 0
+  for bi, s, hi in itertools.product(range(b), range(c), range(h)):
+    p = idx[bi, s]
+    if p >= l:  # padding slot
+      continue
+    logit = kk[bi, hi // (h // g), :p + 1].astype(np.float64) @ q[bi, s, hi] / np.sqrt(k)
+    w = np.exp(logit - logit.max())
+    want = (w / w.sum()) @ vv[bi, hi // (h // g), :p + 1].astype(np.float64)
+    np.testing.assert_allclose(got[bi, s, hi], want, atol=1e-5)
+    checked += 1
+  assert checked == h * min(c, active[1].sum()) + h * c
