@@ -197,6 +197,11 @@ def _family(name: str) -> Optional[str]:
   return None if m is None else name[:m.start()] + '/min*' + name[m.end():]
 
 
+def _exact_curve(res: Mapping, name: str, exact: str) -> Optional[Mapping]:
+  """The exact check's curve in the semantics of curve `name` ('<c>@<semantics>')."""
+  return res['curves'].get(exact + name[name.index('@'):] if '@' in name else exact)
+
+
 def _judged(ref: Optional[Mapping], c: Mapping, cap: float, cost_135m: list) -> dict:
   """A curve's (or family's) frontier against the exact curve, overall and operating."""
   gap = None if ref is None or ref is c else frontier_gap(ref, c)
@@ -222,8 +227,7 @@ def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
   for name, c in res['curves'].items():
     if 'mean_heads' not in c:
       continue
-    sem = name.split('@')[1] if '@' in name else None
-    ref = res['curves'].get(exact if sem is None else f'{exact}@{sem}')
+    ref = _exact_curve(res, name, exact)
     h = res['headline'].get(name, {})
     cap = h.get('ref_loss', np.inf) + h.get('delta', 0.0)
     cost_135m = curve_costs(c, big, SEQ_135M)
@@ -235,8 +239,7 @@ def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
   for fam, names in families.items():
     members = [n for n in names if n in out]
     pts = [res['curves'][n] for n in members]
-    sem = fam.split('@')[1] if '@' in fam else None
-    ref = res['curves'].get(exact if sem is None else f'{exact}@{sem}')
+    ref = _exact_curve(res, fam, exact)
     h = res['headline'].get(members[0], {})
     cost = [x for n in members for x in out[n]['cost']]
     cost_135m = [x for n in members for x in out[n]['cost_135m']]

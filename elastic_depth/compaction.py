@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from elastic_depth import model as model_lib
+
 
 def pow2_capacities(b: int) -> tuple[int, ...]:
   """0 (skip), the powers of two below b, then b."""
@@ -67,12 +69,6 @@ def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Calla
   return lax.switch(k, [branch(c) for c in caps], *args), caps_K[k]
 
 
-def _chunks(c: int, min_chunk: int = 16, max_chunks: int = 4) -> int:
-  """Query chunks of compact_attention: the most (<= max_chunks) that divide c evenly."""
-  return next(n for n in range(max_chunks, 0, -1) if c % n == 0 and c // n >= min_chunk
-              or n == 1)
-
-
 def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> jax.Array:
   """Softmax attention of a right-aligned buffer's queries over their rows' keys/values.
 
@@ -83,27 +79,13 @@ def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> ja
     qpos_BxC, kpos_BxL: positions of the queries and keys (increasing along L): a query
       sees the keys at positions <= its own.
   Returns:
-    o_BxCxHxK. Scores and softmax in fp32; the rep = H / G query heads of a kv head are
-    stacked along the query rows (as `model.causal_attention`), and the queries of chunk
-    i only meet the keys before L - C + (i + 1) C / n: fewer keys for the early slots.
+    o_BxCxHxK (`model.grouped_attention`: fp32 scores, the query heads of a kv head
+    stacked); the queries of chunk i only meet the keys before L - C + (i + 1) C / n:
+    fewer keys for the early slots.
   """
-  b, c, h, kd = q_BxCxHxK.shape
-  g, l = k_BxGxLxK.shape[1:3]
-  rep = h // g
-  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
-  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, rep, kd).transpose(0, 2, 3, 1, 4) * scale
-  n = _chunks(c)
+  c, l = q_BxCxHxK.shape[1], k_BxGxLxK.shape[2]
+  n = model_lib.attention_chunks(c, min_chunk=16)
   w = c // n
-  outs = []
-  for i in range(n):
-    end = l - c + (i + 1) * w
-    q_BxGxQxK = q_BxGxRxCxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
-    s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxLxK[:, :, :end],
-                           preferred_element_type=jnp.float32)
-    see_BxWxS = kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
-    see = jnp.tile(see_BxWxS, (1, rep, 1))[:, None]  # query row r * w + t is slot t
-    p = jax.nn.softmax(jnp.where(see, s_BxGxQxS, -jnp.inf), axis=-1)
-    o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxLxK.dtype), v_BxGxLxK[:, :, :end])
-    outs.append(o.reshape(b, g, rep, w, kd))
-  o_BxGxRxCxK = jnp.concatenate(outs, axis=3)
-  return o_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
+  see = lambda i, end: kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
+  return model_lib.grouped_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, n,
+                                     lambda i: l - c + (i + 1) * w, see)

@@ -97,41 +97,54 @@ def rope(x_BxLxHxK: jax.Array, pos_BxL: jax.Array, theta: float) -> jax.Array:
   return apply_rope(x_BxLxHxK, rope_tables(pos_BxL, x_BxLxHxK.shape[-1], theta))
 
 
-def _causal_chunks(l: int, min_chunk: int = 64, max_chunks: int = 4) -> int:
-  """Query chunks for causal_attention: the most (<= max_chunks) that divide l evenly."""
+def attention_chunks(l: int, min_chunk: int = 64, max_chunks: int = 4) -> int:
+  """Query chunks of l queries: the most (<= max_chunks) that divide l evenly, each >= min_chunk."""
   return next(n for n in range(max_chunks, 0, -1) if l % n == 0 and l // n >= min_chunk
               or n == 1)
+
+
+def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable,
+                      see: Callable) -> jax.Array:
+  """Softmax attention in n query chunks over kv-group-major keys/values (fp32 scores).
+
+  The rep = H / G query heads of a kv head are stacked along the query rows of one
+  batched matmul (no repeated keys/values). Chunk i's queries meet the keys [:key_end(i)]
+  where see(i, end) ([B or 1, C / n, end] bool) is true.
+  """
+  b, c, h, kd = q_BxCxHxK.shape
+  g = k_BxGxSxK.shape[1]
+  rep = h // g  # query heads per kv head
+  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
+  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, rep, kd).transpose(0, 2, 3, 1, 4) * scale
+  w = c // n
+  outs = []
+  for i in range(n):
+    end = key_end(i)
+    q_BxGxQxK = q_BxGxRxCxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)  # Q = rep w
+    s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
+                           preferred_element_type=jnp.float32)
+    see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
+    p = jax.nn.softmax(jnp.where(see_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
+    o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end])
+    outs.append(o.reshape(b, g, rep, w, kd))
+  o_BxGxRxCxK = jnp.concatenate(outs, axis=3)
+  return o_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
 
 
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:
   """Causal softmax attention (scores and softmax in fp32), kv-group-major, in query chunks.
 
   Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU (fwd + bwd
-  1.45x at shape S, 1.27x more at P's grouped-query heads): batched matmuls on [B, G, *, K]
-  operands where the rep = H / G query heads of a kv head are stacked along the query
-  rows (no repeated keys/values, taller matmuls), and the queries of chunk i only meet
-  the keys of chunks 0..i, which skips (n - 1) / 2n of the masked scores.
+  1.45x at shape S, 1.27x more at P's grouped-query heads): `grouped_attention`'s batched
+  matmuls (taller, no repeated keys/values), and the queries of chunk i only meet the
+  keys of chunks 0..i, which skips (n - 1) / 2n of the masked scores.
   """
-  b, l, h, k = q_BxLxHxK.shape
-  g = k_BxLxGxK.shape[2]
-  rep = h // g  # query heads per kv head
-  scale = jnp.asarray(k ** -0.5, q_BxLxHxK.dtype)
-  q_BxGxRxLxK = q_BxLxHxK.reshape(b, l, g, rep, k).transpose(0, 2, 3, 1, 4) * scale
-  k_BxGxLxK, v_BxGxLxK = jnp.swapaxes(k_BxLxGxK, 1, 2), jnp.swapaxes(v_BxLxGxK, 1, 2)
-  n = _causal_chunks(l)
+  l = q_BxLxHxK.shape[1]
+  n = attention_chunks(l)
   c = l // n
-  outs = []
-  for i in range(n):
-    end = (i + 1) * c
-    q_BxGxQxK = q_BxGxRxLxK[:, :, :, i * c:end].reshape(b, g, rep * c, k)  # Q = rep * c
-    s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxLxK[:, :, :end],
-                           preferred_element_type=jnp.float32)
-    causal_QxS = ((jnp.arange(rep * c) % c)[:, None] + i * c) >= jnp.arange(end)[None, :]
-    p = jax.nn.softmax(jnp.where(causal_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
-    o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxLxK.dtype), v_BxGxLxK[:, :, :end])
-    outs.append(o.reshape(b, g, rep, c, k))
-  o_BxGxRxLxK = jnp.concatenate(outs, axis=3)
-  return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, h, k)
+  causal = lambda i, end: ((jnp.arange(c)[:, None] + i * c) >= jnp.arange(end)[None, :])[None]
+  return grouped_attention(q_BxLxHxK, jnp.swapaxes(k_BxLxGxK, 1, 2),
+                           jnp.swapaxes(v_BxLxGxK, 1, 2), n, lambda i: (i + 1) * c, causal)
 
 
 def _library_attention(impl: str) -> Callable:
