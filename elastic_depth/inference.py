@@ -109,7 +109,7 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
 
   The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
   active_BxL: initial mask (padding starts inactive); schedule_BxL: benchmarks only,
-  the policy's check still runs but a token exits at the first allowed loop >= schedule.
+  a token also exits at the first allowed loop >= schedule (`policies.scheduled`).
   """
   def loop(model: LoopedLM, s0, e, pos):
     b, l = s0.shape[:2]
@@ -168,43 +168,40 @@ def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_
                      needs_head, read):
   """(h of the buffer's tokens, coda kv buffers) at a loop whose p_i a check reads.
 
-  Elsewhere (read False) h is zeros and the buffers are unchanged; read None: the check
-  reads at every loop (no conditional); without a KL policy there is no readout.
-  put_idx: idx with the slots of exited tokens pointing past the row.
+  Elsewhere (read False) h is zeros and the buffers are unchanged; without a KL policy
+  there is no readout. put_idx: idx with the slots of exited tokens pointing past the row.
   """
-  when = (lambda f, skip: f()) if read is None else (
-      lambda f, skip: lax.cond(read, f, skip))
   if compact_coda:
-    return when(lambda: model.decode_state(
+    return lax.cond(read, lambda: model.decode_state(
         s_new, buf.pos, [_scatter_kv(x, put_idx, pos, buf.pos) for x in coda_kv]),
-                lambda: (jnp.zeros_like(s_new), coda_kv))
+                    lambda: (jnp.zeros_like(s_new), coda_kv))
   if needs_head:  # later coda blocks depend on every token: run all, gather
     full = lambda: model.decode_state(recurrence.scatter_rows(buf.s, buf.idx, s_new), pos)[0]
-    return when(lambda: recurrence.gather_rows(full(), buf.idx),
-                lambda: jnp.zeros_like(s_new)), coda_kv
+    return lax.cond(read, lambda: recurrence.gather_rows(full(), buf.idx),
+                    lambda: jnp.zeros_like(s_new)), coda_kv
   return jnp.zeros((), s_new.dtype), coda_kv
 
 
-def _check_in_buffer(chk: policies.CheckCarry, idx, needs_head) -> policies.CheckCarry:
-  """The check carry's per-token parts gathered into a phase's buffer (once per phase)."""
+def _gathered_check(check_fn, chk: policies.CheckCarry, idx, put_idx, s_new, s_c, i, live,
+                    needs_head):
+  """check_fn on the buffer's live tokens, with the gathered part of its full-size carry.
+
+  Returns (exit_BxC, the carry scattered back at put_idx, readouts and head products it ran).
+  """
   g = lambda x: recurrence.gather_rows(x, idx)
-  return chk._replace(prev=g(chk.prev) if needs_head else chk.prev,
-                      coda_BxL=g(chk.coda_BxL), head_BxL=g(chk.head_BxL))
-
-
-def _check_from_buffer(chk_in: policies.CheckCarry, chk: policies.CheckCarry, idx,
-                       needs_head) -> policies.CheckCarry:
-  """The buffer's check carry scattered back into the full-size one at a phase's end."""
-  put = lambda x, y: recurrence.scatter_rows(x, idx, y)
-  return chk._replace(prev=put(chk_in.prev, chk.prev) if needs_head else chk.prev,
-                      coda_BxL=put(chk_in.coda_BxL, chk.coda_BxL),
-                      head_BxL=put(chk_in.head_BxL, chk.head_BxL))
+  put = lambda x, y: recurrence.scatter_rows(x, put_idx, y)
+  c = policies.CheckCarry(g(chk.prev) if needs_head else chk.prev, jnp.int32(0),
+                          jnp.int32(0), g(chk.coda_BxL), g(chk.head_BxL))
+  want, c, _ = check_fn(s_new, s_c, c, i, live)
+  chk = policies.CheckCarry(put(chk.prev, c.prev) if needs_head else chk.prev, chk.coda,
+                            chk.head, put(chk.coda_BxL, c.coda_BxL), put(chk.head_BxL, c.head_BxL))
+  return want, chk, c.coda, c.head
 
 
 def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, *, router,
                    exit_mask_BxL, schedule_BxL):
-  """compact_exit_loop's phase_fn: gathers a phase's buffer (and the check's per-token
-  carry) once; its step runs one loop of the buffer's live tokens and their exit check.
+  """compact_exit_loop's phase_fn: gathers a phase's buffer once; its step runs one loop
+  of the buffer's live tokens and their exit check.
 
   The carry is (core kv buffers, coda kv buffers, CheckCarry, coda token passes, head
   token passes); a step returns (new buffer states, exit_BxC, carry).
@@ -212,7 +209,6 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
   policy = ExitPolicy(cfg.policy)
   needs_head = policy in policies.HEAD_POLICIES
   _, reads = policies.check_schedule(policy, cfg.min_loops, cfg.check_every, loop_cap(cfg))
-  every = policies.reads_every_loop(policy, cfg.min_loops, cfg.check_every)
   b, l = pos.shape
   rot = model.rotary(pos)  # once, outside the while_loop; each phase gathers its rows
 
@@ -229,23 +225,21 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
                                   [_scatter_kv(x, put_idx, pos, buf.pos) for x in kv], rot=buf.rot)
       s_new = jnp.where(live[..., None], s_new, s_c)
       h_new, coda_kv = _compact_readout(model, buf, put_idx, s_new, pos, coda_kv, compact_coda,
-                                        needs_head, None if every else reads(i))
+                                        needs_head, reads(i))
       check_fn, _ = policies.make_check_fn(
           policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
           check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg))
-      want, new, _ = check_fn(s_new, s_c, chk, i, live)  # the buffer's check carry
-      n_coda += (new.coda - chk.coda) * b * (idx.shape[1] if compact_coda else l)
-      n_head += (new.head - chk.head) * b * idx.shape[1]
+      want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, put_idx, s_new, s_c, i,
+                                                  live, needs_head)
+      n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
+      n_head += head_n * b * idx.shape[1]
       if exit_c is not None:
         want = want & exit_c
       if sched_c is not None:
-        want = i >= sched_c
-      return s_new, want, (kv, coda_kv, new, n_coda, n_head)
-
-    enter = lambda c: c[:2] + (_check_in_buffer(c[2], idx, needs_head),) + c[3:]
-    leave = lambda c_in, c: c[:2] + (_check_from_buffer(c_in[2], c[2], idx, needs_head),) + c[3:]
-    return recurrence.Phase(step, enter, leave)
+        want = want | (i >= sched_c)
+      return s_new, want, (kv, coda_kv, chk, n_coda, n_head)
+    return step
   return phase
 
 

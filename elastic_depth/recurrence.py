@@ -146,18 +146,6 @@ class CompactExitResult(NamedTuple):
   carry: Any               # final carry of step_fn
 
 
-class Phase(NamedTuple):
-  """What early_exit_compacted's phase_fn returns for one phase.
-
-  step(live_BxC, s_BxCxD, carry, i) -> (s_new_BxCxD, exit_BxC, carry) runs one loop;
-  enter(carry) -> the carry as the phase's loops hold it (e.g. per-token parts gathered
-  into the buffer once), leave(carry_at_entry, phase_carry) -> the full carry back.
-  """
-  step: Callable
-  enter: Callable = lambda carry: carry
-  leave: Callable = lambda carry_in, carry: carry
-
-
 def capacities(l: int, steps: int = 8) -> tuple[int, ...]:
   """Static per-row buffer sizes: multiples of ceil(l / steps), and powers of two below."""
   caps = {-(-l * k // steps) for k in range(1, steps + 1)}
@@ -209,10 +197,11 @@ def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
   states go back at the phase's end. Decisions follow `early_exit`.
 
   Args:
-    phase_fn: (idx_BxC, s_BxLxD) -> Phase, once per phase (idx: the buffer's positions,
+    phase_fn: (idx_BxC, s_BxLxD) -> step, once per phase (idx: the buffer's positions,
       s: the states at the phase's start; it gathers what stays fixed in the phase);
-      its step runs one loop (i: 1-based loop index) of the buffer's slots; only the live
-      ones may change what the carry holds for them.
+      step(live_BxC, s_BxCxD, carry, i) -> (s_new_BxCxD, exit_BxC, carry) runs one loop
+      (i: 1-based loop index) of the buffer's slots; only the live ones may write into
+      the carry (full-size buffers).
     s0: initial state [B, L, D].
     carry0: initial carry of step.
     caps: static capacities, increasing, the last >= L.
@@ -227,7 +216,7 @@ def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
 
   def phase(k: int, cap: int, i, s, active, depth, carry, slots):
     idx = right_aligned(active, cap)
-    ph = phase_fn(idx, s)
+    step = phase_fn(idx, s)
 
     def cond(c):
       i, _, live = c[:3]
@@ -236,17 +225,17 @@ def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
     def body(c):
       i, s_c, live, depth_c, carry, slots = c
       i = i + 1
-      s_new, want, carry = ph.step(live, s_c, carry, i)
+      s_new, want, carry = step(live, s_c, carry, i)
       s_c = jnp.where(live[..., None], s_new, s_c)
       depth_c = depth_c + live.astype(jnp.int32)
       may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
       return i, s_c, live & ~(want & may), depth_c, carry, slots + b * cap
 
     live = gather_rows(active, idx) & (idx < l)
-    init = (i, gather_rows(s, idx), live, gather_rows(depth, idx), ph.enter(carry), slots)
-    i, s_c, live, depth_c, carry_c, slots = lax.while_loop(cond, body, init)
+    init = (i, gather_rows(s, idx), live, gather_rows(depth, idx), carry, slots)
+    i, s_c, live, depth_c, carry, slots = lax.while_loop(cond, body, init)
     return (i, scatter_rows(s, idx, s_c), scatter_rows(active, idx, live),
-            scatter_rows(depth, idx, depth_c), ph.leave(carry, carry_c), slots)
+            scatter_rows(depth, idx, depth_c), carry, slots)
 
   active = jnp.ones((b, l), bool) if active0 is None else active0
   c = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0, jnp.int32(0))

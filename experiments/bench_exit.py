@@ -12,8 +12,10 @@ Variants, timed interleaved (A0, masked, compacted, A0, ...; medians):
   a1_compact  compact_exit_loop: every loop runs only the active tokens.
 On a random model exits mean nothing, so --fake_exit_fraction (default) imposes a
 synthetic schedule: after each loop that share of the still-active tokens exits
-(random tokens, geometric depths capped at --depth). The KL check still runs at every
-loop (its cost is real); only its decision is replaced. Without it, --eps decides.
+(random tokens, geometric depths capped at --depth). The check still runs at every
+loop with a threshold no statistic reaches (eps = -1), and its decision is OR-ed with
+the schedule's, so XLA cannot compile its work away: its cost is real. Without a
+schedule, --eps decides.
 
 Executed FLOPs come from the engines' own counts (`inference.Counts`, checked against
 an event log in tests/accounting_test.py) through `books.executed_flops`
@@ -96,7 +98,9 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   b, l = toks.shape
   n = b * l
   sched = _schedule((b, l), fake, depth) if fake > 0 else None
-  ecfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=depth)
+  # synthetic exits: a threshold no statistic reaches, so the schedule decides
+  ecfg = config.ExitConfig(policy=_POLICY.value, eps=-1.0 if sched is not None else eps,
+                           max_loops=depth)
   fns = _variants(mdl, depth, ecfg, sched)
   outs = {k: jax.block_until_ready(f(toks)) for k, f in fns.items()}  # compile + warm
   times, loads = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
@@ -133,7 +137,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
           f'{r["realized_over_flop_min"]})', flush=True)
   return dict(model=dataclasses.asdict(mdl.cfg), batch=b, seq_len=l, tokens=n, depth=depth,
               policy=_POLICY.value,
-              fake_exit_fraction=fake, eps=eps, variants=rows,
+              fake_exit_fraction=fake, eps=ecfg.eps, variants=rows,
               active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
               loadavg_per_repeat=loads, capacities=recurrence.capacities(l))
 

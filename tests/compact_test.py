@@ -165,3 +165,23 @@ def test_compact_attention_equals_float64_reference():
     np.testing.assert_allclose(got[bi, s, hi], want, atol=1e-5)
     checked += 1
   assert checked == h * min(c, active[1].sum()) + h * c
+
+
+def test_scheduled_exits_keep_the_checks_work(setup):
+  """A benchmark's synthetic schedule must not let XLA compile the KL check away: the
+  compiled engines still evaluate exp over every token's vocabulary at a check."""
+  models, toks, _, _ = setup
+  mdl = models[1]
+  sched = jnp.full((B, L), 3, jnp.int32)
+  v = mdl.cfg.vocab_size
+  for make in (inference.exit_loop, inference.compact_exit_loop):
+    cost = {}
+    for policy in ('kl', 'state_delta'):
+      cfg = config.ExitConfig(policy=policy, eps=-1.0, max_loops=R)
+      f = jax.jit(lambda t, c=cfg: mdl.forward(t, jax.random.key(0), make(c, schedule_BxL=sched)))
+      ca = f.lower(toks).compile().cost_analysis()
+      ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+      cost[policy] = ca.get('transcendentals', 0.0)
+      out = f(toks)
+      np.testing.assert_array_equal(np.asarray(out.aux.depth), np.full((B, L), 3))
+    assert cost['kl'] - cost['state_delta'] >= B * L * v, (make.__name__, cost)
