@@ -230,14 +230,14 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
           policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
           check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg))
+      if exit_c is not None:  # as exit_loop: the mask, then the schedule
+        check_fn = _masked_check(check_fn, exit_c)
+      if sched_c is not None:
+        check_fn = policies.scheduled(check_fn, lambda: sched_c)
       want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, put_idx, s_new, s_c, i,
                                                   live, needs_head)
       n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
       n_head += head_n * b * idx.shape[1]
-      if exit_c is not None:
-        want = want & exit_c
-      if sched_c is not None:
-        want = want | (i >= sched_c)
       return s_new, want, (kv, coda_kv, chk, n_coda, n_head)
     return step
   return phase
