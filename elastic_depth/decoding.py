@@ -15,11 +15,15 @@ from jax import lax
 
 from elastic_depth import inference, losses, policies, recurrence
 from elastic_depth.config import ExitConfig, ExitPolicy
-from elastic_depth.model import LoopedLM
+from elastic_depth.model import LoopedLM, grouped_attention
 
 
 class Cache(NamedTuple):
-  """Per block (k, v) of shape [B, S, G, K] for prelude, core and coda blocks."""
+  """Per block (k, v) of shape [B, G, S, K] (kv-group-major) for prelude, core and coda blocks.
+
+  The attention over the cache reads this layout directly (`attend`): no per-step
+  transposed copy of the cache for the score and value matmuls.
+  """
   prelude: list
   core: list
   coda: list
@@ -28,29 +32,58 @@ class Cache(NamedTuple):
 def init_cache(model: LoopedLM, batch: int, max_len: int) -> Cache:
   """An all-zero cache for max_len positions (size independent of the loop count)."""
   c = model.cfg
-  z = lambda: (jnp.zeros((batch, max_len, c.num_kv_heads, c.head_dim), model.dtype),) * 2
+  z = lambda: (jnp.zeros((batch, c.num_kv_heads, max_len, c.head_dim), model.dtype),) * 2
   return Cache([z() for _ in range(c.n_prelude)], [z() for _ in range(c.n_core)],
                [z() for _ in range(c.n_coda)])
 
 
+def group_major(x_BxLxGxK: jax.Array) -> jax.Array:
+  """Token-major keys/values [B, L, G, K] in the cache's layout [B, G, L, K]."""
+  return jnp.swapaxes(x_BxLxGxK, 1, 2)
+
+
+def token_slots(c_BxGxSxK: jax.Array, start, n: int = 1) -> jax.Array:
+  """Slots start..start+n of a cache array, token-major [B, n, G, K]."""
+  return group_major(lax.dynamic_slice_in_dim(c_BxGxSxK, start, n, 2))
+
+
+def attend(see_BxQxS: jax.Array):
+  """Attention of a kv_fn's queries over a group-major cache: see [B or 1, Q, S] bool."""
+  return lambda q, k, v: grouped_attention(q, k, v, 1, lambda i: k.shape[2],
+                                           lambda i, end: see_BxQxS)
+
+
+def fresh_kv(blocks, kvs, slot=None) -> list:
+  """Each block's (k, v) at one slot (None: the last), token-major [B, 1, G, K].
+
+  kvs are the blocks' outputs under cached kv_fns: caches for blocks with attention,
+  token-major zeros for blocks without (model.attention=core).
+  """
+  at = lambda c: token_slots(c, c.shape[2] - 1 if slot is None else slot)
+  return [(at(k), at(v)) if b.has_attn else (k[:, -1:], v[:, -1:])
+          for b, (k, v) in zip(blocks, kvs)]
+
+
+def keep_caches(blocks, new: list, old: list) -> list:
+  """New caches for blocks with attention; blocks without keep theirs (never read)."""
+  return [n if b.has_attn else o for b, n, o in zip(blocks, new, old)]
+
+
 def _write(cache_kv, kv, start):
-  k, v = cache_kv
-  return (lax.dynamic_update_slice_in_dim(k, kv[0].astype(k.dtype), start, 1),
-          lax.dynamic_update_slice_in_dim(v, kv[1].astype(v.dtype), start, 1))
+  """Token-major kv [B, n, G, K] into the cache at positions start..start+n."""
+  return tuple(lax.dynamic_update_slice_in_dim(c, group_major(x).astype(c.dtype), start, 2)
+               for c, x in zip(cache_kv, kv))
 
 
 def _cached(cache_kv, pos, keep_B=None):
   """kv_fn writing the new token's (k, v) at pos and attending to positions <= pos."""
   def fn(k, v):
     if keep_B is not None:  # inactive rows keep the slot of their last executed loop
-      old_k = lax.dynamic_slice_in_dim(cache_kv[0], pos, 1, 1)
-      old_v = lax.dynamic_slice_in_dim(cache_kv[1], pos, 1, 1)
       m = keep_B[:, None, None, None]
-      k, v = jnp.where(m, old_k, k), jnp.where(m, old_v, v)
+      k = jnp.where(m, token_slots(cache_kv[0], pos), k)
+      v = jnp.where(m, token_slots(cache_kv[1], pos), v)
     ks, vs = _write(cache_kv, (k, v), pos)
-    s = ks.shape[1]
-    mask = (jnp.arange(s) <= pos)[None, None, None, :]
-    return ks, vs, mask
+    return ks, vs, attend((jnp.arange(ks.shape[2]) <= pos)[None, None, :])
   return fn
 
 
@@ -68,11 +101,11 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
 def _pair_cached(cache_kv, pos):
   """kv_fn for two queries at one position (states of loops i-1 and i) over the cache."""
   def fn(k, v):  # k, v: [B, 2, G, K]
-    ks = jnp.concatenate([cache_kv[0], k.astype(cache_kv[0].dtype)], axis=1)
-    vs = jnp.concatenate([cache_kv[1], v.astype(cache_kv[1].dtype)], axis=1)
-    s = cache_kv[0].shape[1]
+    ks = jnp.concatenate([cache_kv[0], group_major(k).astype(cache_kv[0].dtype)], axis=2)
+    vs = jnp.concatenate([cache_kv[1], group_major(v).astype(cache_kv[1].dtype)], axis=2)
+    s = cache_kv[0].shape[2]
     old = jnp.broadcast_to(jnp.arange(s) < pos, (2, s))
-    return ks, vs, jnp.concatenate([old, jnp.eye(2, dtype=bool)], axis=1)[None, None]
+    return ks, vs, attend(jnp.concatenate([old, jnp.eye(2, dtype=bool)], axis=1)[None])
   return fn
 
 
@@ -113,8 +146,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
 
   def final_readout(_):
     h, coda_kv = readout(res.state)
-    take = lambda x: lax.dynamic_slice_in_dim(x, pos, 1, 1)
-    return model.logits(h)[:, 0], [(take(k), take(v)) for k, v in coda_kv]
+    return model.logits(h)[:, 0], fresh_kv(model.coda, coda_kv, pos)
   if fast:
     logits_c, kv_c, fresh, books = res.check
     final = jnp.logical_not(jnp.all(fresh))
@@ -123,9 +155,9 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   else:
     logits, new_kv = final_readout(None)
     counts = inference.exit_counts(res)
-  coda = [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)]
-  # blocks without attention (model.attention=core) return no cache: keep theirs
-  pre_kv = [kv if kv[0].shape == c[0].shape else c for kv, c in zip(pre_kv, cache.prelude)]
+  coda = keep_caches(model.coda, [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)],
+                     cache.coda)
+  pre_kv = keep_caches(model.prelude, pre_kv, cache.prelude)
   out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
   return out + (counts,) if with_counts else out
 
@@ -142,7 +174,7 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     x = jnp.concatenate([s_old, s_new], axis=1)  # [B, 2, D]: loop i-1 and loop i
     h, kvs = model.decode_state(x, pos_Bx2, [_pair_cached(kv, pos) for kv in cache.coda])
     logits = model.logits(h)
-    kv_new = [(k[:, -1:], v[:, -1:]) for k, v in kvs]  # the loop-i query's (last) slot
+    kv_new = fresh_kv(model.coda, kvs)  # the loop-i query's (last) slot
     return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
 
   def check_fn(s_new, s_old, carry, i, active_Bx1):

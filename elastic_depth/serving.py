@@ -76,16 +76,21 @@ class State(NamedTuple):
   counts: Counts
 
 
+def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
+  """Row rows[j] of a group-major cache gets token-major x[j] at pos[j] (out of range: dropped)."""
+  return c_BxGxSxK.at[rows, :, pos].set(x_Bx1xGxK[:, 0].astype(c_BxGxSxK.dtype), mode='drop')
+
+
 def _row_kv(cache_kv, pos_B, write_B, fresh: list):
   """kv_fn: row b writes its (k, v) at pos_B[b] (where write_B) and attends to <= pos_B[b]."""
   def fn(k, v):
     fresh.append((k, v))
     rows = jnp.arange(k.shape[0])
-    s = cache_kv[0].shape[1]
+    s = cache_kv[0].shape[2]
     idx = jnp.where(write_B, pos_B, s)  # out of range: dropped
-    put = lambda c, x: c.at[rows, idx].set(x[:, 0].astype(c.dtype), mode='drop')
-    mask = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, None, :]
-    return put(cache_kv[0], k), put(cache_kv[1], v), mask
+    see = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]
+    return (_put_rows(cache_kv[0], rows, idx, k), _put_rows(cache_kv[1], rows, idx, v),
+            decoding.attend(see))
   return fn
 
 
@@ -115,7 +120,7 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
     pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
     e_C, _, fresh = _run_cached(lambda f: model.encode(tok_C[:, None], pos_C[:, None], f),
                                 pre, pos_C, jnp.ones_like(pos_C, bool))
-    put = lambda c, x: c.at[rows.idx, pos_C].set(x[:, 0].astype(c.dtype), mode='drop')
+    put = lambda c, x: _put_rows(c, rows.idx, pos_C, x)
     prelude = [ck if f is None else tuple(put(c, x) for c, x in zip(ck, f))
                for ck, f in zip(st.cache.prelude, fresh)]
     return st._replace(cache=st.cache._replace(prelude=prelude),
@@ -136,12 +141,12 @@ def _pair_kv(cache_kv, pos_B, fresh: list):
   """kv_fn for the loop-(i-1) and loop-i queries of each row over its cache (< pos_B) and them."""
   def fn(k, v):  # [B, 2, G, K]
     fresh.append((k[:, -1:], v[:, -1:]))  # the loop-i state's keys/values
-    s = cache_kv[0].shape[1]
+    s = cache_kv[0].shape[2]
     old = jnp.arange(s)[None, None, :] < pos_B[:, None, None]  # [B, 1, S]
-    mask = jnp.concatenate([jnp.broadcast_to(old, (pos_B.shape[0], 2, s)),
-                            jnp.broadcast_to(jnp.eye(2, dtype=bool), (pos_B.shape[0], 2, 2))], -1)
-    return (jnp.concatenate([cache_kv[0], k.astype(cache_kv[0].dtype)], 1),
-            jnp.concatenate([cache_kv[1], v.astype(cache_kv[1].dtype)], 1), mask[:, None])
+    see = jnp.concatenate([jnp.broadcast_to(old, (pos_B.shape[0], 2, s)),
+                           jnp.broadcast_to(jnp.eye(2, dtype=bool), (pos_B.shape[0], 2, 2))], -1)
+    cat = lambda c, x: jnp.concatenate([c, decoding.group_major(x).astype(c.dtype)], 2)
+    return cat(cache_kv[0], k), cat(cache_kv[1], v), decoding.attend(see)
   return fn
 
 
@@ -150,7 +155,7 @@ def _coda(model: LoopedLM, caches, pos_B, x, kv_fn):
   fresh = [[] for _ in caches]
   pos = jnp.broadcast_to(pos_B[:, None], x.shape[:2])
   h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(caches, fresh)])
-  z = jnp.zeros((x.shape[0], 1) + kvs[0][0].shape[2:], kvs[0][0].dtype) if kvs else None
+  z = jnp.zeros((x.shape[0], 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   return model.logits(h), [f[0] if f else (z, z) for f in fresh]
 
 
@@ -261,8 +266,8 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   res = inference.score(model, prompt_BxP, pcfg, rng)
   cache = decoding.init_cache(model, b, p + n_new)
   rows = jnp.arange(b)
-  fill = lambda caches, kvs: [tuple(c.at[:, :p].set(x.astype(c.dtype)) for c, x in zip(ck, kv))
-                               for ck, kv in zip(caches, kvs)]
+  fill = lambda caches, kvs: [tuple(c.at[:, :, :p].set(decoding.group_major(x).astype(c.dtype))
+                                     for c, x in zip(ck, kv)) for ck, kv in zip(caches, kvs)]
   cache = decoding.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
                          fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)

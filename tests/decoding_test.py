@@ -20,12 +20,9 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None):
   cfg = config.ExitConfig(policy='kl' if gate is None else 'gated_kl', eps=eps,
                           max_loops=max_loops, gate=gate or 0.0)
   cache, _, _ = decoding.prefill(mdl, toks[:, :prompt_len], cfg, rng, prompt_len)
-  pre = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
-         for c in cache.prelude]
-  core = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
-          for c in cache.core]
-  coda = [[(c[0][:, t:t + 1], c[1][:, t:t + 1]) for t in range(prompt_len)]
-          for c in cache.coda]
+  slots = lambda caches: [[tuple(decoding.token_slots(x, t) for x in c) for t in range(prompt_len)]
+                          for c in caches]  # per block, per token: (k, v) [B, 1, G, K]
+  pre, core, coda = slots(cache.prelude), slots(cache.core), slots(cache.coda)
   depths, logits = [], []
   w = mdl.head_weight()
 
@@ -94,7 +91,7 @@ def test_cache_size_independent_of_loops():
   leaves = jax.tree.leaves(c8)
   n_blocks = mdl.cfg.n_prelude + mdl.cfg.n_core + mdl.cfg.n_coda
   assert len(leaves) == 2 * n_blocks
-  assert all(x.shape == (1, 32, 2, 8) for x in leaves)
+  assert all(x.shape == (1, 2, 32, 8) for x in leaves)  # [B, G, S, K]
 
 
 def test_batched_generation_equals_per_row_generation():
