@@ -191,6 +191,8 @@ class ExitConfig:
   check_every: int = 1
   gate: float = 0.0          # gated_kl: consult the KL only where the relative state
                              # change is below this (0: check every eligible loop)
+  patience: int = 1          # state_delta: exit once the change has stayed below eps for
+                             # this many consecutive loops (counted from loop 2)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
   engine: ExitEngine = ExitEngine.MASKED  # score/prefill: masked or compacted loop
 
@@ -280,7 +282,8 @@ RANGES = {
                   log_every=AT_LEAST_1, max_skips=NON_NEGATIVE, fsdp=AT_LEAST_1,
                   peak_flops=NON_NEGATIVE, loss_chunk=NON_NEGATIVE),
     'exit': dict(eps=NON_NEGATIVE, depth=AT_LEAST_1, min_loops=AT_LEAST_1,
-                 max_loops=AT_LEAST_1, check_every=AT_LEAST_1, gate=NON_NEGATIVE),
+                 max_loops=AT_LEAST_1, check_every=AT_LEAST_1, gate=NON_NEGATIVE,
+                 patience=AT_LEAST_1),
 }
 
 
@@ -337,6 +340,9 @@ def _check_relations(cfg: Config) -> None:
   if e.min_loops > e.max_loops:
     raise ConfigError(f'exit.min_loops={e.min_loops} must be in [1, exit.max_loops='
                       f'{e.max_loops}]')
+  if e.patience > 1 and ExitPolicy(e.policy) != ExitPolicy.STATE_DELTA:
+    raise ConfigError(f'exit.patience={e.patience} needs exit.policy=state_delta, '
+                      f'not {ExitPolicy(e.policy).value}')
 
 
 def validate(cfg: Config) -> None:

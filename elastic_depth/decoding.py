@@ -138,7 +138,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
         cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
         w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel,
         min_loops=cfg.min_loops, check_every=cfg.check_every,
-        max_loops=inference.loop_cap(cfg))
+        max_loops=inference.loop_cap(cfg), patience=cfg.patience)
     carry = carry0(s0)
   res = recurrence.early_exit(
       masked_step, check_fn, s0, cache.core, carry, min_loops=cfg.min_loops,

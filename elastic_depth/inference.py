@@ -127,7 +127,7 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
         min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate,
-        max_loops=loop_cap(cfg))
+        max_loops=loop_cap(cfg), patience=cfg.patience)
     if exit_mask_BxL is not None:
       check_fn = _masked_check(check_fn, exit_mask_BxL)
     if schedule_BxL is not None:
@@ -182,18 +182,18 @@ def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_
   return jnp.zeros((), s_new.dtype), coda_kv
 
 
-def _gathered_check(check_fn, chk: policies.CheckCarry, idx, put_idx, s_new, s_c, i, live,
-                    needs_head):
+def _gathered_check(check_fn, chk: policies.CheckCarry, idx, put_idx, s_new, s_c, i, live):
   """check_fn on the buffer's live tokens, with the gathered part of its full-size carry.
 
   Returns (exit_BxC, the carry scattered back at put_idx, readouts and head products it ran).
   """
   g = lambda x: recurrence.gather_rows(x, idx)
   put = lambda x, y: recurrence.scatter_rows(x, put_idx, y)
-  c = policies.CheckCarry(g(chk.prev) if needs_head else chk.prev, jnp.int32(0),
+  per_token = chk.prev.ndim >= 2  # p_{i-1}'s logits, or state_delta's run below eps
+  c = policies.CheckCarry(g(chk.prev) if per_token else chk.prev, jnp.int32(0),
                           jnp.int32(0), g(chk.coda_BxL), g(chk.head_BxL))
   want, c, _ = check_fn(s_new, s_c, c, i, live)
-  chk = policies.CheckCarry(put(chk.prev, c.prev) if needs_head else chk.prev, chk.coda,
+  chk = policies.CheckCarry(put(chk.prev, c.prev) if per_token else chk.prev, chk.coda,
                             chk.head, put(chk.coda_BxL, c.coda_BxL), put(chk.head_BxL, c.head_BxL))
   return want, chk, c.coda, c.head
 
@@ -229,13 +229,14 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
       check_fn, _ = policies.make_check_fn(
           policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
-          check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg))
+          check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg),
+          patience=cfg.patience)
       if exit_c is not None:  # as exit_loop: the mask, then the schedule
         check_fn = _masked_check(check_fn, exit_c)
       if sched_c is not None:
         check_fn = policies.scheduled(check_fn, lambda: sched_c)
       want, chk, coda_n, head_n = _gathered_check(check_fn, chk, idx, put_idx, s_new, s_c, i,
-                                                  live, needs_head)
+                                                  live)
       n_coda += coda_n * b * (idx.shape[1] if compact_coda else l)
       n_head += head_n * b * idx.shape[1]
       return s_new, want, (kv, coda_kv, chk, n_coda, n_head)
@@ -276,7 +277,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     coda_kv0 = (_group_major(model.decode_state(s0, pos)[1]) if pad else
                 [(zeros, zeros)] * c.n_coda if compact_coda else [])
     _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
-                                       use_kernel=cfg.use_kernel)
+                                       use_kernel=cfg.use_kernel, patience=cfg.patience)
 
     phase = _compact_phase(model, cfg, e, pos, compact_coda, router=router,
                            exit_mask_BxL=exit_mask_BxL, schedule_BxL=schedule_BxL)

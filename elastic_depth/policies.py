@@ -82,7 +82,8 @@ def relative_change(s_new, s_old) -> jax.Array:
 
 class CheckCarry(NamedTuple):
   """Carry of the exit check: what p_{i-1} needs, and the readouts it executed."""
-  prev: Any             # p_{i-1}: logits [B, L, V] fp32, or its hidden [B, L, D] (kernel)
+  prev: Any             # p_{i-1}: logits [B, L, V] fp32, or its hidden [B, L, D] (kernel);
+                        # state_delta with patience > 1: the run of loops below eps [B, L]
   coda: jax.Array       # readout passes (coda + final norm) over the batch, int32 []
   head: jax.Array       # head products over the batch, int32 []
   coda_BxL: jax.Array   # readouts run while the token was active, int32 [B, L]
@@ -207,11 +208,17 @@ def _decide(policy: ExitPolicy, stats, i, eps, gate):
   return rules[policy]()
 
 
+def run_below(delta_BxL, eps, i, run_BxL, active_BxL):
+  """Consecutive loops (from loop 2) with delta < eps, updated where the token is active."""
+  run = jnp.where((delta_BxL < eps) & (i >= 2), run_BxL + 1, 0)
+  return jnp.where(active_BxL, run, run_BxL).astype(jnp.int32)
+
+
 def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None,
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
                   trace: bool = False, min_loops: int = 1, check_every: int = 1,
-                  gate: float = 0.0, max_loops: Optional[int] = None):
+                  gate: float = 0.0, max_loops: Optional[int] = None, patience: int = 1):
   """Builds (check_fn, carry0_fn) for `recurrence.early_exit`.
 
   KL criteria run a readout only at the loops whose p_i a check reads (check loops
@@ -232,11 +239,14 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     min_loops, check_every: the engine's check schedule (checks at loops >= 2 only).
     max_loops: the engine's loop cap (no read for a check beyond it; None: unbounded).
     gate: gated_kl exits only where the relative state change is below it.
+    patience: state_delta exits once the change has been below eps at this many
+      consecutive loops from loop 2 on (the run is carried per token).
   Returns:
     check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
   policy = ExitPolicy(policy)
   needs_head = trace or policy in HEAD_POLICIES
+  patient = policy == ExitPolicy.STATE_DELTA and patience > 1
   kernel = policy != ExitPolicy.CONFIDENCE and kl_halting.kernel_active(use_kernel)
   hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace, needs_head and not trace and kernel,
                   *check_schedule(policy, min_loops, check_every, max_loops))
@@ -245,6 +255,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     b, l = s0.shape[:2]
     zero = lambda: jnp.zeros((b, l), jnp.int32)
     empty = CheckCarry(jnp.zeros((), s0.dtype), jnp.int32(0), jnp.int32(0), zero(), zero())
+    if patient:
+      return empty._replace(prev=zero())
     if not needs_head:
       return empty
     if trace:  # the loop-1 stats compare with the initial state's readout
@@ -267,6 +279,9 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
         stats['nll'] = st['lse'] - st['logit_t']
     if router is not None:
       stats['p_change'] = jax.nn.sigmoid(router_logit(router, s_new))
+    if patient:
+      run = run_below(stats['delta'], eps, i, carry.prev, active)
+      return run >= patience, carry._replace(prev=run), stats if trace else {}
     return _decide(policy, stats, i, eps, gate), carry, stats if trace else {}
 
   return check_fn, carry0

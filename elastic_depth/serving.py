@@ -74,6 +74,7 @@ class State(NamedTuple):
   depth: jax.Array         # [B, n_new]
   init: jax.Array          # [T, 1, D] initial state of a token at each position
   counts: Counts
+  run: jax.Array           # [B] state_delta: loops in a row with the change below eps
 
 
 def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
@@ -127,6 +128,7 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
                        s=rows.put(st.s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
                        e=rows.put(st.e, e_C), pos=rows.put(st.pos, pos_C),
                        loop=rows.put(st.loop, jnp.zeros_like(pos_C)),
+                       run=rows.put(st.run, jnp.zeros_like(pos_C)),
                        tokens=st.tokens.at[rows.idx, pos_C].set(tok_C, mode='drop'))
   st, cap = compaction.on_rows(mask_B, caps, run, lambda st: st, st)
   return st._replace(counts=st.counts._replace(prelude_rows=st.counts.prelude_rows + cap))
@@ -164,8 +166,8 @@ def _take_coda(rows, st: State):
   return [tuple(rows.take(c) for c in ck) for ck in st.cache.coda], rows.take(st.pos)
 
 
-def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps):
-  """decode_step's paired check where a row may exit.
+def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps, run_B):
+  """decode_step's paired check where a row may exit (state_delta: run_B >= patience).
 
   Returns (fires, ran, logits of loop i, coda kv, readout rows executed).
   """
@@ -180,8 +182,7 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, ca
   if cfg.policy == ExitPolicy.UNIFORM:
     return none, none, skip[1], skip[2], jnp.int32(0)
   if cfg.policy == ExitPolicy.STATE_DELTA:  # no readout: an exit reads out in _final
-    fire = want & (policies.relative_change(s_new, st.s)[:, 0] < eps_B)
-    return fire, none, skip[1], skip[2], jnp.int32(0)
+    return want & (run_B >= cfg.patience), none, skip[1], skip[2], jnp.int32(0)
 
   def pair(rows, kl, logits, kv):
     caches, pos_C = _take_coda(rows, st)
@@ -213,7 +214,8 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.e, st.pos[:, None], f),
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
-  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps)
+  run = policies.run_below(policies.relative_change(s_new, st.s)[:, 0], eps_B, i, st.run, act)
+  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps, run)
   done = fire | (act & (i >= inference.loop_cap(cfg)))
   (logits, kv), n_final = _final(model, st, s_new, done & ~ran, logits, kv, caps)
   rows = jnp.arange(act.shape[0])
@@ -224,7 +226,7 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
                       readout_rows=c.readout_rows + n_pair + n_final)
-  st = st._replace(cache=st.cache._replace(core=core, coda=coda), s=s_new, loop=i,
+  st = st._replace(cache=st.cache._replace(core=core, coda=coda), s=s_new, loop=i, run=run,
                    n=st.n + done.astype(jnp.int32),
                    logits=jnp.where(done[:, None], logits, st.logits), depth=depth,
                    counts=counts)
@@ -278,7 +280,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
              jnp.zeros((b, t), jnp.int32).at[:, :p].set(prompt_BxP),
              jnp.zeros((b, n_new), jnp.int32), init,
-             Counts(zero, zero, zero, zero, zero, res.counts))
+             Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32))
   st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
   return st, res.depth, eps_B
 

@@ -71,6 +71,7 @@ BAD = {
     'exit.max_loops': [0, -1],
     'exit.check_every': [0, -1],
     'exit.gate': [-0.1, NAN],
+    'exit.patience': [0, -1, 2],  # 2: the default policy (kl) has no patience
 }
 
 # Boundary values that must still be accepted.

@@ -1,5 +1,7 @@
 """Early-exit scoring (parallel semantics) against brute-force per-token references."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +21,13 @@ def setup():
   return mdl, toks
 
 
-def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng):
-  """Parallel semantics with plain Python loops over loops, blocks and tokens."""
+def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patience=1):
+  """Parallel semantics with plain Python loops over loops, blocks and tokens.
+
+  stat 'kl' exits where KL(p_i || p_{i-1}) < eps; 'delta' where the relative state change
+  (float64) has been below eps at `patience` consecutive loops from loop 2. Returns the
+  logits, depths and the per-loop statistic of the active tokens.
+  """
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
   s = mdl.initial_state(e, rng, pos)
@@ -29,7 +36,7 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng):
   active = np.ones((b, l), bool)
   frozen = [[None] * l for _ in mdl.core]  # per block, per token: (k, v) [B,1,G,K]
   h_prev = mdl.decode_state(s, pos)[0]
-  kls = []
+  kls, run = [], np.zeros((b, l), int)
   for i in range(1, max_loops + 1):
     if not active.any():
       break
@@ -54,14 +61,21 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng):
       for t in range(l):
         frozen[j][t] = used[t]
       x = jnp.concatenate(outs, axis=1)
-    s = jnp.where(jnp.asarray(active)[..., None], x, s)
+    s_old, s = s, jnp.where(jnp.asarray(active)[..., None], x, s)
     depth += active
     h = mdl.decode_state(s, pos)[0]
-    kl = kl_np(h.reshape(b * l, -1), h_prev.reshape(b * l, -1),
-                mdl.head_weight()).reshape(b, l)
+    if stat == 'kl':
+      kl = kl_np(h.reshape(b * l, -1), h_prev.reshape(b * l, -1),
+                  mdl.head_weight()).reshape(b, l)
+      fire = kl < eps
+    else:
+      a, o = np.asarray(s, np.float64), np.asarray(s_old, np.float64)
+      kl = np.linalg.norm(a - o, axis=-1) / np.linalg.norm(a, axis=-1)
+      run = np.where(active, np.where((kl < eps) & (i >= 2), run + 1, 0), run)
+      fire = run >= patience
     kls.append(np.where(active, kl, np.nan))
     if i >= max(min_loops, 2):
-      active &= ~(kl < eps)
+      active &= ~fire
     h_prev = h
   logits = mdl.logits(mdl.decode_state(s, pos)[0])
   return np.asarray(logits), depth, kls
@@ -78,6 +92,29 @@ def test_parallel_exit_matches_brute_force(setup):
   out = jax.jit(lambda t: inference.score(mdl, t, cfg, rng))(toks)
   np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
   np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_state_change_patience_matches_brute_force(setup):
+  """state_delta exits after `patience` consecutive loops below eps (masked and compacted)."""
+  mdl, toks = setup
+  rng = jax.random.key(7)
+  eps = safe_eps(brute_parallel(mdl, toks, -1.0, 1, R, rng, stat='delta')[2])
+  depths = {}
+  for patience in (1, 2, 3):
+    cfg = config.ExitConfig(policy='state_delta', eps=eps, min_loops=2, max_loops=R,
+                            patience=patience)
+    score = lambda engine: jax.jit(lambda t: inference.score(
+        mdl, t, dataclasses.replace(cfg, engine=engine), rng))(toks)
+    depths[patience] = np.asarray(score('masked').depth)
+    if patience == 1:
+      continue
+    ref_logits, ref_depth, _ = brute_parallel(mdl, toks, eps, 2, R, rng, 'delta', patience)
+    for engine in ('masked', 'compacted'):
+      out = score(engine)
+      np.testing.assert_array_equal(np.asarray(out.depth), ref_depth, err_msg=engine)
+      np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+  assert len(np.unique(depths[2])) > 2, depths[2]  # varied depths
+  assert depths[3].mean() > depths[2].mean() > depths[1].mean()  # patience waits longer
 
 
 def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):

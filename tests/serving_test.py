@@ -29,13 +29,14 @@ def _eps_between(kls):
   return pick(lo, len(v) // 2), pick(len(v) // 2, hi)
 
 
-def _two_tiers(mdl, rng, policy: str, stat: str):
+def _two_tiers(mdl, rng, policy: str, stat: str, patience: int = 1):
   """Depth-wise generation of PROMPTS with two eps tiers taken from the trace of `stat`."""
   prompts = jnp.asarray(PROMPTS, jnp.int32)
   tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
                        trace=True).traces
   eps_lo, eps_hi = _eps_between(list(np.asarray(tr[stat])))
-  cfg = config.ExitConfig(policy=policy, eps=eps_hi, max_loops=R, min_loops=2)
+  cfg = config.ExitConfig(policy=policy, eps=eps_hi, max_loops=R, min_loops=2,
+                          patience=patience)
   eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
   out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
                                                   prompt_len_B=n))(
@@ -129,11 +130,13 @@ def test_counts_equal_the_brute_force_schedule(setup):
                        for d in depth.ravel())
 
 
-def test_state_change_rows_equal_their_own_generation():
-  """The check without a readout: each exit reads out once; rows equal their lockstep runs."""
+@pytest.mark.parametrize('patience', [1, 2])
+def test_state_change_rows_equal_their_own_generation(patience):
+  """The check without a readout: each exit reads out once; rows equal their lockstep runs
+  (with patience 2, a row's run of loops below its eps restarts with each token)."""
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
   rng = jax.random.key(0)
-  cfg, eps_B, out = _two_tiers(mdl, rng, 'state_delta', 'delta')
+  cfg, eps_B, out = _two_tiers(mdl, rng, 'state_delta', 'delta', patience)
   depth = np.asarray(out.depth)
   assert len(np.unique(depth)) > 2  # ragged exits
   _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
