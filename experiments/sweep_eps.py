@@ -39,6 +39,7 @@ class SweepOptions:
   timing_repeats: int = 3                         # time each best point against A0
   check_every: tuple[int, ...] = (1,)             # also every curve checked every k loops
   min_loops: tuple[int, ...] = (1,)               # also every curve with no exit before m
+  patience: tuple[int, ...] = (1,)                # also state_delta exiting after k loops below
 
 
 # EPS_GRID and DELTA are shared with experiments.calibrate_eps
@@ -69,6 +70,9 @@ CHECK_EVERY = flags.DEFINE_list('check_every', ['1'], 'For each k > 1, every cur
 MIN_LOOPS = flags.DEFINE_list('min_loops', ['1'], 'For each m > 1, every curve again with '
                               'no exit before loop m (<curve>/min<m>); the books judge each '
                               'check over all of them too (<curve>/min*).')
+PATIENCE = flags.DEFINE_list('patience', ['1'], 'For each k > 1, every state_delta curve '
+                             'again, exiting only after k consecutive loops below its '
+                             'threshold (<curve>/pat<k>).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -86,7 +90,8 @@ def options_from_flags() -> SweepOptions:
                       semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value,
                       timing_repeats=TIMING_REPEATS.value,
                       check_every=_positive_ints(CHECK_EVERY.value, 'check_every'),
-                      min_loops=_positive_ints(MIN_LOOPS.value, 'min_loops'))
+                      min_loops=_positive_ints(MIN_LOOPS.value, 'min_loops'),
+                      patience=_positive_ints(PATIENCE.value, 'patience'))
 
 
 def _positive_ints(xs, name: str) -> tuple[int, ...]:
@@ -151,7 +156,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,
                        extra_curves=extra, timing_repeats=x.timing_repeats,
                        check_every=x.check_every, min_loops=x.min_loops,
-                       progress=opts.progress)
+                       patience=x.patience, progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=info,

@@ -145,7 +145,7 @@ def test_sweep_books_from_the_engines_counts():
 
 def test_sweep_min_loops_curves_and_their_family():
   """--min_loops adds '<curve>/min<m>' (no exit before loop m), and the books judge the
-  check over all its min_loops as '<curve>/min*'."""
+  check over all its min_loops as '<curve>/min*'; --patience adds 'state_delta/pat<k>'."""
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
   rs = np.random.default_rng(0)
   batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
@@ -153,8 +153,12 @@ def test_sweep_min_loops_curves_and_their_family():
                   mask=np.ones((B, L), np.float32))]
   res = analysis.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=[0.0, 1e9],
                        curves=('kl', 'state_delta'), state_delta_grid=[0.0, 1e9],
-                       timing_repeats=0, min_loops=(1, 3))
+                       timing_repeats=0, min_loops=(1, 3), patience=(1, 2))
   c = res['curves']
+  assert 'kl/pat2' not in c  # patience is the state change's only
+  # a huge threshold holds from loop 2, so patience 2 exits at loop 3 (and 3 from min 3)
+  assert c['state_delta/pat2']['mean_loops'] == pytest.approx([4.0, 3.0])
+  assert c['state_delta/pat2/min3']['mean_loops'] == pytest.approx([4.0, 3.0])
   # eps 0 never exits (R = 4 loops); a huge eps exits at the first check: loop 2, or m
   assert c['state_delta']['mean_loops'] == pytest.approx([4.0, 2.0])
   assert c['state_delta/min3']['mean_loops'] == pytest.approx([4.0, 3.0])
