@@ -109,9 +109,24 @@ def _pair_cached(cache_kv, pos):
   return fn
 
 
+def initial_states(model: LoopedLM, rng, length: int) -> jax.Array:
+  """[length, 1, D]: the initial recurrent state of a token at each position, drawn once.
+
+  `LoopedLM.initial_state` is a pure function of (rng, position), so row t is what a
+  token at position t starts from in any batch; the decode loops index this table
+  instead of drawing per token (XLA:CPU runs the truncated-normal draw as a rolled loop).
+  """
+  d = model.cfg.d_model
+  return model.initial_state(jnp.zeros((1, length, d), model.dtype), rng,
+                             jnp.arange(length)[None])[0][:, None]
+
+
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
-                router=None, with_counts: bool = False):
+                router=None, with_counts: bool = False, init_table=None):
   """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]).
+
+  init_table: `initial_states(model, rng, S)`, to read the token's initial state from
+  (else drawn here).
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
@@ -121,7 +136,11 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   tok = token_B[:, None]
   pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
   e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
-  s0 = model.initial_state(e, rng, pos_Bx1)  # as in the parallel forward
+  if init_table is None:
+    s0 = model.initial_state(e, rng, pos_Bx1)  # as in the parallel forward
+  else:
+    s0 = jnp.broadcast_to(lax.dynamic_index_in_dim(init_table, pos, 0, keepdims=False),
+                          e.shape).astype(e.dtype)
 
   def masked_step(s, core_kv, active_Bx1):
     fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
@@ -220,10 +239,12 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
   """
   l = tokens_BxL.shape[1]
   cache, last, pdepth = prefill(model, tokens_BxL[:, :prompt_len], cfg, rng, l, router)
+  init = initial_states(model, rng, l)
 
   def body(cache, t):
     tok = lax.dynamic_index_in_dim(tokens_BxL, t, 1, keepdims=False)
-    logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True)
+    logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True,
+                                      init_table=init)
     return cache, (logits, d, n)
 
   _, (logits, depth, n) = lax.scan(body, cache, jnp.arange(prompt_len, l))
@@ -240,6 +261,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   b, p = prompt_BxP.shape
   total = p + n_new
   cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
+  init = initial_states(model, rng, total)
 
   def pick(logits, key):
     if temperature <= 0:
@@ -249,7 +271,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   def body(carry, t):
     cache, logits = carry
     tok = pick(logits, jax.random.fold_in(rng, 1_000_003 + t))
-    logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router)
+    logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router, init_table=init)
     return (cache, logits), (tok, d)
 
   _, (toks, depth) = lax.scan(body, (cache, logits), jnp.arange(p, total))

@@ -273,12 +273,10 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   cache = decoding.Cache(fill(cache.prelude, res.prelude_kv), fill(cache.core, res.kv),
                          fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
-  t = p + n_new  # initial states are a pure function of (rng, position): drawn once
-  init = model.initial_state(jnp.zeros((1, t) + res.e.shape[2:], res.e.dtype), rng,
-                             jnp.arange(t)[None])[0][:, None]
+  init = decoding.initial_states(model, rng, p + n_new)  # drawn once per position
   st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
-             jnp.zeros((b, t), jnp.int32).at[:, :p].set(prompt_BxP),
+             jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
              jnp.zeros((b, n_new), jnp.int32), init,
              Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32))
   st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
