@@ -247,6 +247,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
   policy = ExitPolicy(policy)
   needs_head = trace or policy in HEAD_POLICIES
   patient = policy == ExitPolicy.STATE_DELTA and patience > 1
+  if patient and trace:  # the carry holds the run, not the readout a trace compares with
+    raise ValueError('error: per-loop traces need exit.patience=1')
   kernel = policy != ExitPolicy.CONFIDENCE and kl_halting.kernel_active(use_kernel)
   hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace, needs_head and not trace and kernel,
                   *check_schedule(policy, min_loops, check_every, max_loops))

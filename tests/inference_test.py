@@ -116,6 +116,8 @@ def test_state_change_patience_matches_brute_force(setup):
       np.testing.assert_array_equal(np.asarray(out.depth), ref_depth, err_msg=engine)
       np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
   assert len(np.unique(depths[2])) > 2, depths[2]  # varied depths
+  with pytest.raises(ValueError, match='exit.patience=1'):
+    inference.score(mdl, toks, cfg, rng, trace=True)
   assert depths[3].mean() > depths[2].mean() > depths[1].mean()  # patience waits longer
 
 
