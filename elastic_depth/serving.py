@@ -166,14 +166,16 @@ def _take_coda(rows, st: State):
   return [tuple(rows.take(c) for c in ck) for ck in st.cache.coda], rows.take(st.pos)
 
 
-def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps, run_B):
-  """decode_step's paired check where a row may exit (state_delta: run_B >= patience).
+def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps, delta_B,
+           run_B):
+  """decode_step's paired check where a row may exit (gated_kl: delta_B < gate; state_delta:
+  run_B >= patience).
 
   Returns (fires, ran, logits of loop i, coda kv, readout rows executed).
   """
   want = act & _is_check(cfg, i)
   if cfg.policy == ExitPolicy.GATED_KL:
-    want &= policies.relative_change(s_new, st.s)[:, 0] < cfg.gate
+    want &= delta_B < cfg.gate
   b = act.shape[0]
   zk = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   skip = (jnp.full((b,), jnp.inf), jnp.zeros((b, model.cfg.vocab_size), jnp.float32),
@@ -214,8 +216,9 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.e, st.pos[:, None], f),
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
-  run = policies.run_below(policies.relative_change(s_new, st.s)[:, 0], eps_B, i, st.run, act)
-  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps, run)
+  delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
+  run = policies.run_below(delta, eps_B, i, st.run, act)
+  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps, delta, run)
   done = fire | (act & (i >= inference.loop_cap(cfg)))
   (logits, kv), n_final = _final(model, st, s_new, done & ~ran, logits, kv, caps)
   rows = jnp.arange(act.shape[0])
