@@ -6,12 +6,14 @@ checks the JSON reports; no timing assertions.
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
 
 from experiments import bench_util
+from experiments import host_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +32,11 @@ def test_bench_train_writes_positive_numbers(tmp_path):
               'other_processes_start'):
     assert key in doc
   assert doc['matmul_peak_flops'] > 0
+  # `python -m experiments.<main>` re-executed itself with huge pages where they apply
+  applies = host_setup.hugepage_env(dict(os.environ), platform.system(), platform.libc_ver(),
+                                    host_setup.thp_mode()) is not None
+  assert ('glibc.malloc.hugetlb=1' in doc['glibc_tunables']) == (
+      applies or 'glibc.malloc.hugetlb=1' in os.environ.get('GLIBC_TUNABLES', ''))
   assert len(doc['load_avg_start']) == 3
   res, fused, off, _ = doc['results']
   assert [(r['remat'], r['loss_chunk']) for r in doc['results']] == [
