@@ -250,6 +250,7 @@ def main(argv):
     print(f'  parts (ms): {runs[name]["parts_ms"]}', flush=True)
   out = dict(backend=jax.default_backend(), machine=bench_util.cpu_description(),
              cpu_count=os.cpu_count(), loadavg=os.getloadavg(),
+             glibc_tunables=bench_util.glibc_tunables(),
              date=time.strftime('%Y-%m-%d %H:%M'), runs=runs)
   bench_util.write_json(_OUT.value, out)
   md = os.path.splitext(_OUT.value)[0] + '.md'

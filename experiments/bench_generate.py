@@ -124,6 +124,7 @@ def main(argv):
     return
   out = dict(backend=jax.default_backend(), devices=str(jax.devices()),
              loadavg=os.getloadavg(), date=time.strftime('%Y-%m-%d %H:%M'),
+             glibc_tunables=bench_util.glibc_tunables(),
              new_tokens=_NEW.value, prompt_len=_PROMPT.value,
              shapes={n: bench_shape(n) for n in _SHAPES.value})
   bench_util.write_json(_OUT.value, out)

@@ -174,6 +174,7 @@ def main(calibrate) -> None:
   q['policy'] = _POLICY.value
   doc = dict(date=time.strftime('%Y-%m-%d %H:%M'), model=label, quality=q,
              machine=f'{jax.default_backend()} {os.cpu_count()} cores', loadavg=os.getloadavg(),
+             glibc_tunables=bench_util.glibc_tunables(),
              new_tokens=_F.new_tokens, prompt_len=_F.prompt_len, a0_depth=a0_depth, r_max=r_max,
              batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps']) for b in sizes})
   doc['loadavg_end'] = os.getloadavg()

@@ -408,7 +408,7 @@ def main(argv):
       devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(),
       machine=platform.machine(), cpu=bench_util.cpu_description(),
       xla_flags=os.environ.get('XLA_FLAGS', ''),
-      glibc_tunables=os.environ.get('GLIBC_TUNABLES', ''),  # experiments.host_setup
+      glibc_tunables=bench_util.glibc_tunables(),
       matmul_peak_flops=peak, matmul_peak_samples=peaks,
       load_avg_start=list(load_start), load_avg_end=list(os.getloadavg()),
       other_processes_start=procs_start, other_processes_end=busy_processes(),

@@ -40,6 +40,11 @@ def cpu_description() -> str:
   return f'{name} ({", ".join(isa) or "no AVX2"})'
 
 
+def glibc_tunables() -> str:
+  """GLIBC_TUNABLES of this process (huge pages or not: experiments.host_setup), for the record."""
+  return os.environ.get('GLIBC_TUNABLES', '')
+
+
 # The model shapes the benchmarks share (the reference figures were measured at S and P).
 MODEL_SHAPES = {
     'S': dict(vocab_size=4096, d_model=256, num_heads=4, num_kv_heads=4, head_dim=64,

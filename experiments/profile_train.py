@@ -143,6 +143,7 @@ def main(argv):
   bench_util.write_json(out, dict(
       command=" ".join(sys.argv), cpu=bench_util.cpu_description(),
       load_avg_start=list(load), load_avg_end=list(os.getloadavg()),
+      glibc_tunables=bench_util.glibc_tunables(),
       jax_version=jax.__version__, results=results))
   print(f'wrote {out}')
 
