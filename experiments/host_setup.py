@@ -78,7 +78,7 @@ def started_as_module_main(argv: list[str], orig_argv: list[str]) -> bool:
 def maybe_reexec() -> None:
   """Re-executes this `python -m experiments.<main>` process with huge pages, if it applies."""
   orig = getattr(sys, 'orig_argv', [])
-  if not started_as_module_main(sys.argv, orig):
+  if not sys.executable or not started_as_module_main(sys.argv, orig):
     return
   env = hugepage_env(dict(os.environ), platform.system(), platform.libc_ver(), thp_mode())
   if env is None:
