@@ -22,6 +22,8 @@ import sys
 import time
 import types
 
+from experiments import bench_util
+
 _PKG = '_huginn_reference'
 
 
@@ -88,7 +90,7 @@ class ReferenceStep:
     self.inputs = torch.randint(0, model['vocab_size'], shape, generator=g)
     self.targets = torch.randint(0, model['vocab_size'], shape, generator=g)
     self.r, self.threads, self.tokens = r, threads, batch_size * seq_len
-    self.times, self.cpu_times, self.losses = [], [], []
+    self.times, self.cpu_times, self.losses, self.faults = [], [], [], []
 
   def step(self) -> float:
     """One training step: forward through r loops with gradient, backward, clip, AdamW."""
@@ -102,11 +104,12 @@ class ReferenceStep:
   def run(self, steps: int, warmup: int = 0) -> None:
     """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
     for i in range(warmup + steps):
-      t0, c0 = time.perf_counter(), time.process_time()
+      t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
       self.losses.append(self.step())
       if i >= warmup:
         self.times.append(time.perf_counter() - t0)
         self.cpu_times.append(time.process_time() - c0)
+        self.faults.append(bench_util.minor_faults() - f0)
 
   def result(self) -> dict:
     """The JSON record: settings, step times and tokens/s (median)."""
@@ -118,5 +121,6 @@ class ReferenceStep:
                 steps_with_grad=self.r, step_times_s=self.times, step_cpu_s=self.cpu_times,
                 step_s_median=med, step_s_min=min(self.times),
                 step_cpu_s_median=statistics.median(self.cpu_times),
+                step_minor_faults_median=statistics.median(self.faults),
                 tokens_per_s=self.tokens / med, first_loss=self.losses[0],
                 last_loss=self.losses[-1])

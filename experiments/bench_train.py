@@ -195,11 +195,12 @@ class OurStep:
       self.compiled = dry_run.compile_abstract(cfg, mesh)
     self.compile_s = time.perf_counter() - t0
     self.times, self.cpu_times, self.losses, self.depths = [], [], [], set()
+    self.faults = []
 
   def run(self, steps: int, warmup: int = 0) -> None:
     """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
     for i in range(warmup + steps):
-      t0, c0 = time.perf_counter(), time.process_time()
+      t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
       self.state, m = self.compiled(self.state, self.batch)
       loss = float(m['loss'])  # blocks
       dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -208,6 +209,7 @@ class OurStep:
       if i >= warmup:
         self.times.append(dt)
         self.cpu_times.append(dc)
+        self.faults.append(bench_util.minor_faults() - f0)
 
   def compiled_figures(self) -> dict:
     """XLA's cost (FLOPs per step, incl. remat) and memory analysis of the compiled step."""
@@ -250,6 +252,7 @@ class OurStep:
     res.update(
         step_times_s=self.times, step_cpu_s=self.cpu_times, step_s_median=med,
         step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
+        step_minor_faults_median=statistics.median(self.faults),
         tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),
         model_flops_per_s=fl['model'] * tokens / med,
         first_loss=self.losses[0], last_loss=self.losses[-1],

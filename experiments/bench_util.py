@@ -40,6 +40,15 @@ def cpu_description() -> str:
   return f'{name} ({", ".join(isa) or "no AVX2"})'
 
 
+def minor_faults() -> int:
+  """Minor page faults of this process so far (per-step deltas show buffers mapped afresh)."""
+  try:
+    import resource  # pylint: disable=g-import-not-at-top  (POSIX only)
+  except ImportError:
+    return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def glibc_tunables() -> str:
   """GLIBC_TUNABLES of this process (huge pages or not: experiments.host_setup), for the record."""
   return os.environ.get('GLIBC_TUNABLES', '')

@@ -50,6 +50,7 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   assert res['depths_run'] == [res['depth']]  # the depth really was fixed
   assert res['all_finite']
   assert len(res['step_times_s']) == 1
+  assert res['step_minor_faults_median'] >= 0  # getrusage's count (0 off POSIX)
   for key in ('tokens_per_step', 'step_s_median', 'tokens_per_s', 'flops_per_token',
               'flops_per_token_forward', 'flops_per_token_hw', 'model_flops_per_s',
               'hw_flops_per_s', 'fraction_of_peak', 'hw_fraction_of_peak', 'params',
