@@ -4,6 +4,9 @@ import contextlib
 import dataclasses
 import glob
 import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +86,34 @@ def test_command_line_overrides_flagfile_tuples():
   cfg = parse(['prog', f'--flagfile={path}', '--config.depth.buckets=(1,2,3)',
                '--config.depth.r_max=3'])
   assert cfg.depth.buckets == (1, 2, 3) and cfg.depth.r_max == 3
+
+
+_PARSE_ONLY = ("import importlib, sys\nfrom absl import flags\n"
+               "importlib.import_module(sys.argv[1])\nflags.FLAGS(['prog'] + sys.argv[2:])\n")
+
+
+def test_device_check_script_runs_real_mains_with_valid_flags(tmp_path):
+  """launch/device_check.sh (DRY=1: its commands) names existing tests and parseable flags."""
+  script = os.path.join(REPO, 'launch', 'device_check.sh')
+  subprocess.run(['bash', '-n', script], check=True)
+  env = dict(os.environ, DRY='1', OUT=str(tmp_path))
+  out = subprocess.run(['bash', script], env=env, capture_output=True, text=True, check=True)
+  cmds = [shlex.split(l) for l in out.stdout.splitlines()]
+  assert [c[2] for c in cmds] == ['pytest', 'experiments.bench_kl', 'experiments.bench_train',
+                                  'experiments.bench_train', 'experiments.bench_exit']
+  assert all(c[:2] == ['python3', '-m'] for c in cmds)
+  assert any('--shapes=135m' in c for c in cmds)  # issue 13's GPU step
+  for c in cmds:
+    if c[2] == 'pytest':
+      assert all(os.path.exists(os.path.join(REPO, a)) for a in c[3:] if a.startswith('tests/'))
+      continue
+    res = subprocess.run([sys.executable, '-c', _PARSE_ONLY, c[2], *c[3:]], cwd=REPO,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert all(str(tmp_path) in a for a in c if a.startswith('--out='))
+
+
+def test_parse_only_rejects_an_unknown_flag():
+  res = subprocess.run([sys.executable, '-c', _PARSE_ONLY, 'experiments.bench_exit',
+                        '--shapez=P'], cwd=REPO, capture_output=True, text=True)
+  assert res.returncode != 0 and 'shapez' in res.stderr
