@@ -266,7 +266,9 @@ def uniform_curve(trace: Trace, mcfg) -> dict:
   seq_len = trace.inputs.shape[1]
   return {'policy': 'uniform', 'threshold': e['depths'], 'mean_loops': [float(d) for d in e['depths']],
           'loss': e['loss'],
-          'flops': [float(books.executed_flops(mcfg, d, 1, 1, seq_len)) for d in e['depths']]}
+          # the trace ran the masked engine: its core attention multiplies all L keys
+          'flops': [float(books.executed_flops(mcfg, d, 1, 1, seq_len, seq_len))
+                    for d in e['depths']]}
 
 
 def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -313,11 +315,12 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['threshold'].append(float(eps))
       out['mean_loops'].append(_masked_mean(depth, mask))
       out['loss'].append(_masked_mean(nll, mask))
+      keys = per_pos('core_keys')  # the engine's executed keys per core query
       out['flops'].append(_masked_mean(books.executed_flops(
           model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),
-          seq_len), ones))
+          seq_len, keys), ones))
       out['flops_active'].append(_masked_mean(books.executed_flops(
-          model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len), mask[:, -t:]))
+          model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len, keys), mask[:, -t:]))
       out['mean_core_passes'].append(_masked_mean(per_pos('core_passes'), ones))
       out['mean_readouts'].append(_masked_mean(cat('coda'), mask[:, -t:]))
       out['mean_heads'].append(_masked_mean(cat('head'), mask[:, -t:]))

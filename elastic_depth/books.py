@@ -16,14 +16,17 @@ CHECK_BUDGET = 0.25         # core loops of check work per loop
 SEQ_135M = 1024             # sequence length the 135M-block costs are taken at
 
 
-def executed_flops(mcfg, core, coda, head, seq_len: int):
+def executed_flops(mcfg, core, coda, head, seq_len: int, core_keys=None):
   """Forward FLOPs per token position from executed counts (`inference.Counts`).
 
   prelude + core loops x loop + coda readouts x coda + head products x head, with
   model.flops_per_token's parts; counts may be batch passes (what the masked engine
   runs for every position) or per-token arrays (the work of active tokens only).
+  core_keys: keys per query the core's attention executed (`Counts.core_keys`; None:
+  the causal seq_len / 2 of model FLOPs).
   """
-  f = model_lib.flops_per_token(mcfg, 0, seq_len)
+  keys = None if core_keys is None else np.asarray(core_keys, np.float64)
+  f = model_lib.flops_per_token(mcfg, 0, seq_len, core_keys=keys)
   core, coda, head = (np.asarray(x, np.float64) for x in (core, coda, head))
   coda_only = f['coda_head'] - f['head']
   return f['prelude'] + core * f['loop'] + coda * coda_only + head * f['head']

@@ -69,6 +69,12 @@ def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Calla
   return lax.switch(k, [branch(c) for c in caps], *args), caps_K[k]
 
 
+def compact_keys(c: int, l: int) -> float:
+  """Mean keys per query that `compact_attention` multiplies for a C-slot buffer over L."""
+  n = model_lib.attention_chunks(c, min_chunk=16)
+  return l - c + (c // n) * (n + 1) / 2
+
+
 def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> jax.Array:
   """Softmax attention of a right-aligned buffer's queries over their rows' keys/values.
 

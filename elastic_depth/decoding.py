@@ -163,6 +163,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
       masked_step, check_fn, s0, cache.core, carry, min_loops=cfg.min_loops,
       max_loops=inference.loop_cap(cfg), check_every=cfg.check_every, return_check=True)
 
+  cache_len = cache.core[0][0].shape[2] if cache.core else 0  # `attend` reads every slot
+
   def final_readout(_):
     h, coda_kv = readout(res.state)
     return model.logits(h)[:, 0], fresh_kv(model.coda, coda_kv, pos)
@@ -170,10 +172,11 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     logits_c, kv_c, fresh, books = res.check
     final = jnp.logical_not(jnp.all(fresh))
     logits, new_kv = lax.cond(final, final_readout, lambda _: (logits_c, kv_c), None)
-    counts = inference.exit_counts(res._replace(check=books), final.astype(jnp.int32))
+    counts = inference.exit_counts(res._replace(check=books), final.astype(jnp.int32),
+                                   core_keys=cache_len)
   else:
     logits, new_kv = final_readout(None)
-    counts = inference.exit_counts(res)
+    counts = inference.exit_counts(res, core_keys=cache_len)
   coda = keep_caches(model.coda, [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)],
                      cache.coda)
   pre_kv = keep_caches(model.prelude, pre_kv, cache.prelude)

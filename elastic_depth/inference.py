@@ -44,13 +44,15 @@ class Counts(NamedTuple):
   depth: jax.Array         # core loops per token, int32 [B, L]
   coda: jax.Array          # readouts per token, int32 [B, L]
   head: jax.Array          # head products per token, int32 [B, L]
+  core_keys: Any = None    # keys per query the core's attention multiplied, float32 []
 
 
-def exit_counts(res: recurrence.ExitResult, final: int = 1) -> Counts:
+def exit_counts(res: recurrence.ExitResult, final: int = 1, core_keys=None) -> Counts:
   """Counts of an early_exit run (check carry: policies.CheckCarry) plus `final` readouts."""
   c = res.check
+  keys = None if core_keys is None else jnp.float32(core_keys)
   return Counts(res.loops, c.coda + final, c.head + final, res.depth, c.coda_BxL + final,
-                c.head_BxL + final)
+                c.head_BxL + final, keys)
 
 
 def _freeze(kv_prev, active_BxL):
@@ -136,7 +138,8 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
                                 min_loops=cfg.min_loops, max_loops=loop_cap(cfg),
                                 check_every=cfg.check_every, active0=active_BxL,
                                 trace=trace, return_check=True)
-    return res.state, res._replace(counts=exit_counts(res))
+    # the frozen-kv hook's jax.nn.dot_product_attention multiplies all L keys per query
+    return res.state, res._replace(counts=exit_counts(res, core_keys=s0.shape[1]))
   return loop
 
 
@@ -289,9 +292,17 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     kv, _, chk, n_coda, n_head = res.carry
     per = lambda n: n.astype(jnp.float32) / (b * l) + 1.0  # + the final readout
     counts = Counts(res.slots.astype(jnp.float32) / (b * l), per(n_coda), per(n_head),
-                    res.depth, chk.coda_BxL + 1, chk.head_BxL + 1)
+                    res.depth, chk.coda_BxL + 1, chk.head_BxL + 1,
+                    _compact_core_keys(res.phase_slots, recurrence.capacities(l, steps), l))
     return res.state, CompactAux(res.depth, _group_major(kv), res.loops, res.slots, {}, counts)
   return loop
+
+
+def _compact_core_keys(phase_slots_K, caps, l: int) -> jax.Array:
+  """Keys per query over a compacted run's core slots (each capacity's `compact_keys`)."""
+  keys_K = jnp.asarray([compaction.compact_keys(c, l) for c in caps], jnp.float32)
+  n_K = phase_slots_K.astype(jnp.float32)
+  return jnp.sum(n_K * keys_K) / jnp.maximum(jnp.sum(n_K), 1.0)
 
 
 class CompactAux(NamedTuple):

@@ -429,16 +429,29 @@ def count_params(cfg: ModelConfig) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(abstract_params(cfg)[1]))
 
 
-def flops_per_token(cfg: ModelConfig, r: float, seq_len: int) -> dict:
-  """Forward matmul FLOPs per token at depth r (attention scores counted causally)."""
+def causal_keys(l: int) -> float:
+  """Mean keys per query that `causal_attention` multiplies over l tokens (its chunks)."""
+  n = attention_chunks(l)
+  return l * (n + 1) / (2 * n)
+
+
+def flops_per_token(cfg: ModelConfig, r: float, seq_len: int, core_keys=None) -> dict:
+  """Forward matmul FLOPs per token at depth r.
+
+  Attention scores are counted causally (seq_len / 2 keys per query, the model-FLOP
+  convention) except in the core loop when core_keys (keys per query an engine's core
+  attention executed, scalar or array) is given.
+  """
   d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   proj = 2 * d * (2 * h * k + 2 * g * k)
-  attn = 2 * 2 * h * k * seq_len / 2  # QK^T and AV over half the sequence on average
+  per_key = 2 * 2 * h * k  # QK^T and AV, per key a query meets
+  attn = per_key * seq_len / 2
   mlp = 2 * 3 * d * f
   block = proj + attn + mlp
   outer = block if AttentionIn(cfg.attention) == AttentionIn.ALL else mlp
   prelude = cfg.n_prelude * outer
-  loop = cfg.n_core * block + 2 * 2 * d * d
+  keys = seq_len / 2 if core_keys is None else core_keys
+  loop = cfg.n_core * (proj + per_key * keys + mlp) + 2 * 2 * d * d
   head = 2 * d * cfg.vocab_size
   check = cfg.n_coda * outer + head
   total = prelude + r * loop + cfg.n_coda * outer + head

@@ -144,6 +144,7 @@ class CompactExitResult(NamedTuple):
   loops: jax.Array         # loops the while_loop ran, int32 []
   slots: jax.Array         # query slots executed, sum over loops of B x capacity, int32 []
   carry: Any               # final carry of step_fn
+  phase_slots: Any = None  # of which at each capacity of caps, int32 [len(caps)]
 
 
 def capacities(l: int, steps: int = 8) -> tuple[int, ...]:
@@ -233,13 +234,17 @@ def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
 
     live = gather_rows(active, idx) & (idx < l)
     init = (i, gather_rows(s, idx), live, gather_rows(depth, idx), carry, slots)
+    i0 = i
     i, s_c, live, depth_c, carry, slots = lax.while_loop(cond, body, init)
+    phase_slots[k] = (i - i0) * (b * cap)
     return (i, scatter_rows(s, idx, s_c), scatter_rows(active, idx, live),
             scatter_rows(depth, idx, depth_c), carry, slots)
 
   active = jnp.ones((b, l), bool) if active0 is None else active0
   c = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0, jnp.int32(0))
+  phase_slots = [None] * len(caps)
   for k in reversed(range(len(caps))):
     c = phase(k, caps[k], *c)
   i, s, _, depth, carry, slots = c
-  return CompactExitResult(state=s, depth=depth, loops=i, slots=slots, carry=carry)
+  return CompactExitResult(state=s, depth=depth, loops=i, slots=slots, carry=carry,
+                           phase_slots=jnp.stack(phase_slots))

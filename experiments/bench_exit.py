@@ -66,16 +66,19 @@ def _books(mcfg, l: int, n: int, depth: int, counts: dict) -> dict:
   """Executed forward FLOPs of each variant from its engine's own counts.
 
   books.executed_flops of the batch passes (compacted: buffer slots / tokens, padding
-  slots included) x tokens; A0 runs `depth` loops and one readout. 'a1_compact_active'
-  is the work of active tokens only (per-token counts), without the buffer padding.
+  slots included) x tokens, the core's attention at the keys each engine multiplies
+  (`Counts.core_keys`; A0's scan: `model.causal_keys`); A0 runs `depth` loops and one
+  readout. 'a1_compact_active' is the work of active tokens only (per-token counts),
+  without the buffer padding.
   """
   total = lambda c: n * float(books.executed_flops(mcfg, c.core_passes, c.coda_passes,
-                                                      c.head_passes, l))
-  out = {'a0': n * float(books.executed_flops(mcfg, depth, 1, 1, l))}
+                                                      c.head_passes, l, c.core_keys))
+  out = {'a0': n * float(books.executed_flops(mcfg, depth, 1, 1, l,
+                                              model_lib.causal_keys(l)))}
   out.update({k: total(c) for k, c in counts.items()})
   c = counts['a1_compact']
   out['a1_compact_active'] = float(np.sum(books.executed_flops(
-      mcfg, np.asarray(c.depth), np.asarray(c.coda), np.asarray(c.head), l)))
+      mcfg, np.asarray(c.depth), np.asarray(c.coda), np.asarray(c.head), l, c.core_keys)))
   return out
 
 
@@ -123,8 +126,10 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
                                 realized_over_flop_paired=w_pair / fl if fl > 0 else None,
                                 realized_over_flop=w / fl if fl > 0 else None,
                                 realized_over_flop_min=w_min / fl if fl > 0 else None)
+  keys = {'a0': model_lib.causal_keys(l), 'a1_masked': float(m.counts.core_keys),
+          'a1_compact': float(c.counts.core_keys)}  # per core query, as executed
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
-                  tokens_per_s=n / med[k],
+                  tokens_per_s=n / med[k], core_keys=keys[k],
                   executed_gflop=flops[k] / 1e9) for k in fns}
   print(f'{name}: load {statistics.median(loads):.1f}  mean loops {mean_loops:.2f}'
         f' of {depth}', flush=True)

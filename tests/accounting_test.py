@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from elastic_depth import config, decoding, inference, policies, recurrence
+from elastic_depth import compaction, config, decoding, inference, policies, recurrence
 from elastic_depth import model as model_lib
 from elastic_depth.kernels import kl_halting
 
@@ -211,6 +211,11 @@ def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
   head_policy = policy in ('kl', 'gated_kl', 'reverse_kl', 'confidence')
   expect = lambda ls: (B * sum(cap(i) for i in ls) + B * L) / (B * L)
   assert float(got.core_passes) == pytest.approx(B * sum(cap(i) for i in loops) / (B * L))
+  # the keys a core query met: the masked engine's attention multiplies all L, a buffer's
+  # slots those of their capacity's static ranges (compaction.compact_keys), slot-weighted
+  assert float(ref.core_keys) == L
+  keys = sum(cap(i) * compaction.compact_keys(cap(i), L) for i in loops)
+  assert float(got.core_keys) == pytest.approx(keys / sum(cap(i) for i in loops))
   assert float(got.coda_passes) == pytest.approx(expect(reads if head_policy else []))
   assert float(got.head_passes) == pytest.approx(expect(reads if head_policy else []))
   assert float(got.core_passes) <= int(ref.core_passes)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from elastic_depth import model as model_lib
 from experiments import bench_util
 from experiments import host_setup
 
@@ -162,4 +163,9 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert v['a1_compact']['executed_gflop'] <= v['a1_masked']['executed_gflop']
   assert r['active_gflop'] <= v['a1_compact']['executed_gflop'] + 1e-12
   assert 1 <= r['mean_loops'] <= 4
+  # attention keys per core query as executed: A0's chunked causal attention, the masked
+  # engine's full L, the compacted buffers' static ranges in between
+  assert v['a0']['core_keys'] == model_lib.causal_keys(16)
+  assert v['a1_masked']['core_keys'] == 16
+  assert 16 / 2 < v['a1_compact']['core_keys'] <= 16
   assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5

@@ -185,3 +185,17 @@ def test_scheduled_exits_keep_the_checks_work(setup):
       out = f(toks)
       np.testing.assert_array_equal(np.asarray(out.aux.depth), np.full((B, L), 3))
     assert cost['kl'] - cost['state_delta'] >= B * L * v, (make.__name__, cost)
+
+
+@pytest.mark.parametrize('cap', [16, 32, 64, 96, 128])
+def test_compact_keys_is_what_the_compiled_attention_multiplies(cap):
+  """compact_keys(C, L) x 4 H K FLOPs per buffer slot against XLA's own count."""
+  b, h, g, k, l = 1, 2, 1, 64, 128
+  q, kv = jnp.zeros((b, cap, h, k)), jnp.zeros((b, g, l, k))
+  qpos, kpos = jnp.zeros((b, cap), jnp.int32), jnp.zeros((b, l), jnp.int32)
+  ca = jax.jit(compaction.compact_attention).lower(q, kv, kv, qpos, kpos).compile()
+  ca = ca.cost_analysis()
+  got = float((ca if isinstance(ca, dict) else ca[0])['flops']) / (4 * b * h * cap * k)
+  want = compaction.compact_keys(cap, l)
+  assert want <= got <= 1.05 * want
+  assert l / 2 < want <= l  # the right-aligned slots' static key ranges

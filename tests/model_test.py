@@ -409,3 +409,23 @@ def test_attention_only_in_the_core(model_cfg):
   attn_flops = 2 * attn_params - 4 * d + 2 * (2 * h * k * seq / 2)
   full, core = (model_lib.flops_per_token(c, 3, seq) for c in (model_cfg, cfg))
   assert full['total'] - core['total'] == pytest.approx(outer * attn_flops)
+
+
+def _xla_flops(f, *args) -> float:
+  """FLOPs XLA:CPU counts for the compiled f (matmuls and elementwise work)."""
+  ca = jax.jit(f).lower(*args).compile().cost_analysis()
+  return float((ca if isinstance(ca, dict) else ca[0])['flops'])
+
+
+@pytest.mark.parametrize('l', [48, 64, 256])
+def test_causal_keys_is_what_the_compiled_attention_multiplies(l):
+  """causal_keys(L) x 4 H K FLOPs per query against XLA's own count (softmax adds ~2%)."""
+  b, h, g, k = 1, 2, 1, 64
+  q, kv = jnp.zeros((b, l, h, k)), jnp.zeros((b, l, g, k))
+  per_key = 4 * b * h * l * k
+  got = _xla_flops(model_lib.causal_attention, q, kv, kv) / per_key
+  assert model_lib.causal_keys(l) <= got <= 1.05 * model_lib.causal_keys(l)
+  if model_lib.attention_chunks(l) > 1:
+    assert model_lib.causal_keys(l) > l / 2  # the chunks multiply some masked scores
+  full = _xla_flops(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, kv, kv)
+  assert l <= full / per_key <= 1.05 * l  # the frozen-kv hook's attention: all L keys
