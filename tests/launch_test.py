@@ -99,8 +99,8 @@ def test_device_check_script_runs_real_mains_with_valid_flags(tmp_path):
   env = dict(os.environ, DRY='1', OUT=str(tmp_path))
   out = subprocess.run(['bash', script], env=env, capture_output=True, text=True, check=True)
   cmds = [shlex.split(l) for l in out.stdout.splitlines()]
-  assert [c[2] for c in cmds] == ['pytest', 'experiments.bench_kl', 'experiments.bench_train',
-                                  'experiments.bench_train', 'experiments.bench_exit']
+  assert [c[2] for c in cmds] == ['pytest', 'experiments.bench_kl'] + [
+      'experiments.bench_train'] * 3 + ['experiments.bench_exit']
   assert all(c[:2] == ['python3', '-m'] for c in cmds)
   assert any('--shapes=135m' in c for c in cmds)  # issue 13's GPU step
   for c in cmds:
