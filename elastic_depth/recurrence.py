@@ -144,7 +144,7 @@ class CompactExitResult(NamedTuple):
   loops: jax.Array         # loops the while_loop ran, int32 []
   slots: jax.Array         # query slots executed, sum over loops of B x capacity, int32 []
   carry: Any               # final carry of step_fn
-  phase_slots: Any = None  # of which at each capacity of caps, int32 [len(caps)]
+  phase_slots: Any = None  # slots at each capacity of caps (sum: slots), int32 [len(caps)]
 
 
 def capacities(l: int, steps: int = 8) -> tuple[int, ...]:
@@ -215,7 +215,7 @@ def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
   # the capacity index a buffer needs (a sum, not searchsorted: that is a while loop)
   needed = lambda live: jnp.sum(caps_C < jnp.max(jnp.sum(live, axis=1)))
 
-  def phase(k: int, cap: int, i, s, active, depth, carry, slots):
+  def phase(k: int, cap: int, i, s, active, depth, carry):
     idx = right_aligned(active, cap)
     step = phase_fn(idx, s)
 
@@ -224,27 +224,26 @@ def early_exit_compacted(phase_fn: Callable, s0: jax.Array, carry0: Any, *,
       return (i < max_loops) & jnp.any(live) & (needed(live) == k)
 
     def body(c):
-      i, s_c, live, depth_c, carry, slots = c
+      i, s_c, live, depth_c, carry = c
       i = i + 1
       s_new, want, carry = step(live, s_c, carry, i)
       s_c = jnp.where(live[..., None], s_new, s_c)
       depth_c = depth_c + live.astype(jnp.int32)
       may = (i >= min_loops) & ((i - min_loops) % check_every == 0)
-      return i, s_c, live & ~(want & may), depth_c, carry, slots + b * cap
+      return i, s_c, live & ~(want & may), depth_c, carry
 
     live = gather_rows(active, idx) & (idx < l)
-    init = (i, gather_rows(s, idx), live, gather_rows(depth, idx), carry, slots)
-    i0 = i
-    i, s_c, live, depth_c, carry, slots = lax.while_loop(cond, body, init)
-    phase_slots[k] = (i - i0) * (b * cap)
-    return (i, scatter_rows(s, idx, s_c), scatter_rows(active, idx, live),
-            scatter_rows(depth, idx, depth_c), carry, slots)
+    init = (i, gather_rows(s, idx), live, gather_rows(depth, idx), carry)
+    i_end, s_c, live, depth_c, carry = lax.while_loop(cond, body, init)
+    return (i_end, scatter_rows(s, idx, s_c), scatter_rows(active, idx, live),
+            scatter_rows(depth, idx, depth_c), carry), (i_end - i) * (b * cap)
 
   active = jnp.ones((b, l), bool) if active0 is None else active0
-  c = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0, jnp.int32(0))
+  c = (jnp.int32(0), s0, active, jnp.zeros((b, l), jnp.int32), carry0)
   phase_slots = [None] * len(caps)
   for k in reversed(range(len(caps))):
-    c = phase(k, caps[k], *c)
-  i, s, _, depth, carry, slots = c
-  return CompactExitResult(state=s, depth=depth, loops=i, slots=slots, carry=carry,
-                           phase_slots=jnp.stack(phase_slots))
+    c, phase_slots[k] = phase(k, caps[k], *c)
+  i, s, _, depth, carry = c
+  phase_slots = jnp.stack(phase_slots)
+  return CompactExitResult(state=s, depth=depth, loops=i, slots=jnp.sum(phase_slots),
+                           carry=carry, phase_slots=phase_slots)
