@@ -160,13 +160,34 @@ ATTENTION_IMPLS = {  # the full-sequence causal attention of AttentionImpl (AUTO
 }
 
 
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)  # what cuDNN's fused attention takes
+
+
+def auto_attention_impl(backend: str, dtype, head_dim: int) -> AttentionImpl:
+  """AUTO resolved: chunked on CPU, cuDNN on a GPU for bf16/fp16 heads it takes, else XLA.
+
+  jax.nn.dot_product_attention(implementation=None) is XLA's, which materializes the
+  B x H x L x L scores (on an H200 the 135M step ran at 6.8% MFU with it).
+  """
+  if backend == 'cpu':
+    return AttentionImpl.CHUNKED
+  if (backend == 'gpu' and jnp.dtype(dtype) in CUDNN_DTYPES and head_dim <= 128
+      and head_dim % 8 == 0):
+    return AttentionImpl.CUDNN
+  return AttentionImpl.XLA
+
+
+def _auto_attention(q, k, v):
+  """AUTO: the implementation auto_attention_impl picks for these heads on this backend."""
+  impl = auto_attention_impl(jax.default_backend(), q.dtype, q.shape[-1])
+  return ATTENTION_IMPLS[impl](q, k, v)
+
+
 def attention_fn(impl: AttentionImpl) -> Callable:
-  """The attention of `impl`; AUTO is chunked on CPU, jax's own choice on accelerators."""
+  """The attention of `impl` (AUTO: see auto_attention_impl)."""
   impl = AttentionImpl(impl)
   if impl == AttentionImpl.AUTO:
-    if jax.default_backend() == 'cpu':
-      return causal_attention
-    return _library_attention(None)
+    return _auto_attention
   return ATTENTION_IMPLS[impl]
 
 

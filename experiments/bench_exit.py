@@ -105,7 +105,11 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   ecfg = config.ExitConfig(policy=_POLICY.value, eps=-1.0 if sched is not None else eps,
                            max_loops=depth)
   fns = _variants(mdl, depth, ecfg, sched)
-  outs = {k: jax.block_until_ready(f(toks)) for k, f in fns.items()}  # compile + warm
+  outs = {}
+  for k, f in fns.items():  # compile + warm, with progress (minutes at P on a GPU)
+    t0 = time.perf_counter()
+    outs[k] = jax.block_until_ready(f(toks))
+    print(f'{name}: {k} compiled and run once in {time.perf_counter() - t0:.1f} s', flush=True)
   times, loads = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
                                     _REPEATS.value, warmup=0)
   med = {k: statistics.median(v) for k, v in times.items()}

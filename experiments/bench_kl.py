@@ -36,6 +36,8 @@ flags.DEFINE_enum('dtype', 'auto', ['auto', 'float32', 'bfloat16'],
 flags.DEFINE_integer('block_n', 0, 'Token block; 0 = backend default.')
 flags.DEFINE_integer('block_v', 0, 'Vocab tile; 0 = backend default.')
 flags.DEFINE_integer('block_d', 0, 'Contraction chunk; 0 = backend default.')
+flags.DEFINE_list('v_splits', ['auto', '1'], 'Kernel variants timed per shape: vocab '
+                  'splits (kl_halting v_splits; auto = its default). The first is `kernel`.')
 flags.DEFINE_float('peak_tflops', 989.0,
                    'Dense matmul peak of the accelerator for the FLOP floor '
                    '(H100/H200 SXM bf16: 989; use ~495 for fp32 via TF32).')
@@ -93,7 +95,24 @@ def roofline(n, d, v, dtype, seconds):
 
 
 def bench_shape(n, d, v, dtype, blocks, on_gpu):
-  """Measures both paths at one shape; returns a JSON-able dict."""
+  """Both paths at one shape, the kernel in each --v_splits variant; a JSON-able dict."""
+  row = None
+  for i, text in enumerate(FLAGS.v_splits):
+    splits = None if text == 'auto' else int(text)
+    one = _bench_variant(n, d, v, dtype, dict(blocks, v_splits=splits), on_gpu, i == 0)
+    if row is None:
+      row = one
+    row.setdefault('kernel_variants', {})[text] = dict(
+        one['kernel'], v_splits=klh.vocab_splits(
+            -(-n // blocks['block_n']), -(-v // blocks['block_v']), splits)[0])
+    ref_t, ker_t = row['reference'].get('time'), one['kernel'].get('time')
+    if on_gpu and isinstance(ref_t, dict) and isinstance(ker_t, dict):
+      row['kernel_variants'][text]['speedup_vs_ref'] = ref_t['median_s'] / ker_t['median_s']
+  return row
+
+
+def _bench_variant(n, d, v, dtype, blocks, on_gpu, time_reference):
+  """Measures both paths (the reference only if time_reference) at one shape."""
   gflop = 2 * 2 * n * d * v / 1e9
   row = {'shape': {'N': n, 'D': d, 'V': v}, 'gflop': gflop,
          'naive_logits_bytes': 2 * n * v * 4}
@@ -113,12 +132,14 @@ def bench_shape(n, d, v, dtype, blocks, on_gpu):
     ker['memory_note'] = ('interpret-mode emulation (copies the W block per '
                           'grid step); not the GPU kernel footprint')
 
-  time_ref = on_gpu or gflop <= FLAGS.cpu_max_gflop
+  time_ref = (on_gpu or gflop <= FLAGS.cpu_max_gflop) and time_reference
   time_ker = on_gpu or gflop <= FLAGS.cpu_kernel_max_gflop
   if time_ref or time_ker:
     args = make_inputs(n, d, v, dtype)
     if time_ref:
       ref['time'] = time_fn(ref_fn, args, FLAGS.repeats)
+    elif not time_reference:
+      ref['time'] = 'timed with the first variant'
     else:
       ref['time'] = 'skipped on CPU (above --cpu_max_gflop)'
     if time_ker:
@@ -150,8 +171,16 @@ def bench_shape(n, d, v, dtype, blocks, on_gpu):
   return row
 
 
+def _ms(part):
+  t = part.get('time')
+  return f'{1e3 * t["median_s"]:.3f} ms' if isinstance(t, dict) else 'not timed'
+
+
 def main(argv):
   del argv
+  bad = [t for t in FLAGS.v_splits if t != 'auto' and not (t.isdigit() and int(t) > 0)]
+  if bad or not FLAGS.v_splits:
+    raise app.UsageError(f'--v_splits: {FLAGS.v_splits}; want auto or integers > 0')
   backend = jax.default_backend()
   on_gpu = backend == 'gpu'
   dtype_name = FLAGS.dtype
@@ -172,7 +201,9 @@ def main(argv):
     row = bench_shape(n, d, v, dtype, blocks, on_gpu)
     row['blocks'] = blocks
     row['bench_wall_s'] = time.perf_counter() - t0
-    print(json.dumps(row))
+    print(f'N={n} D={d} V={v}: reference ' + _ms(row['reference']) + '; kernel ' + ', '.join(
+        f'v_splits={k} ({r["v_splits"]}) ' + _ms(r) for k, r in row['kernel_variants'].items()),
+          flush=True)
     results.append(row)
   report = {
       'backend': backend,

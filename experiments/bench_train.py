@@ -1,7 +1,8 @@
 """Benchmark the full jitted training step: tokens/s, fraction of peak, memory, reference.
 
 Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=...]
-  [--remat=nothing,dots,all_dots,off] [--loss_chunk=0,512] [--reference_dir=DIR --rounds=N]
+  [--remat=nothing,dots,all_dots,off] [--loss_chunk=0,512] [--attention_impl=auto,xla,cudnn]
+  [--reference_dir=DIR --rounds=N]
 
 Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
 clipping, the bucketed-depth switch) with a single depth bucket (r,) so that every
@@ -10,7 +11,8 @@ step runs exactly r loops, times `--steps` steps after `--warmup` untimed ones
 compiled memory analysis (temporaries, peak) for each remat choice (`--remat`;
 default the shape's own, `Shape.remat`) and each loss chunking (`--loss_chunk`: 0 is the
 plain head + cross-entropy over [B, L, V] logits, N > 0 the fused one, N tokens at a
-time, `train.loss_chunk`; default the shape's own).
+time, `train.loss_chunk`; default the shape's own) and each attention implementation
+(`--attention_impl`, model.attention_impl; default auto).
 
 FLOPs are model FLOPs: 3x the forward matmul FLOPs of `model.flops_per_token` at
 depth r (the usual "6N" convention); `hw_flops_per_token` also counts the matmuls
@@ -75,6 +77,9 @@ flags.DEFINE_list('remat', [], f'Remat choices to time per shape, of {REMAT_CHOI
                   '(off: no jax.checkpoint); default: the shape\'s own choice.')
 flags.DEFINE_list('loss_chunk', [], 'train.loss_chunk values to time per shape and remat '
                   'choice (0: plain cross-entropy; default: the shape\'s own).')
+flags.DEFINE_list('attention_impl', [], 'model.attention_impl values to time per shape, '
+                  f'remat and loss chunk, of {[a.value for a in config_lib.AttentionImpl]} '
+                  '(default: auto).')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
 flags.DEFINE_string('tiny_flags', os.path.join(REPO, 'launch', 'tiny.flags'),
                     'Flag file the `tiny` shape is parsed from.')
@@ -128,8 +133,8 @@ SHAPES = {
 }
 
 
-def shape_config(name: str, r: int, dtype: str, remat: str,
-                 loss_chunk: int | None = None) -> config_lib.Config:
+def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | None = None,
+                 attention_impl: str = 'auto') -> config_lib.Config:
   """The Config of a shape at fixed depth r (a single bucket: the switch has one branch)."""
   sh = SHAPES[name]
   model_kw, train_kw = sh.model, sh.train
@@ -137,7 +142,8 @@ def shape_config(name: str, r: int, dtype: str, remat: str,
     parsed = flags_util.parse_config(['bench_train', f'--flagfile={FLAGS.tiny_flags}'])
     model_kw = dataclasses.asdict(parsed.model)
     train_kw = {k: getattr(parsed.train, k) for k in ('seq_len', 'batch_size')}
-  model = dataclasses.replace(config_lib.ModelConfig(), **{**model_kw, 'dtype': dtype})
+  model = dataclasses.replace(config_lib.ModelConfig(), **{
+      **model_kw, 'dtype': dtype, 'attention_impl': config_lib.AttentionImpl(attention_impl)})
   depth = config_lib.DepthConfig(
       mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
       remat_policy=config_lib.RematPolicy.NOTHING if remat == 'off' else remat)
@@ -177,9 +183,9 @@ class OurStep:
   """The library's train step of one shape and remat choice, compiled; times steps on demand."""
 
   def __init__(self, name: str, r: int, dtype: str, remat: str, timed: bool,
-               loss_chunk: int | None = None):
+               loss_chunk: int | None = None, attention_impl: str = 'auto'):
     self.name, self.r, self.remat = name, r, remat
-    self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk)
+    self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk, attention_impl)
     self.accum = config_lib.grad_accum_steps(cfg.train)
     self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
     mesh = distributed.make_mesh(jax.devices()[:1])
@@ -236,7 +242,7 @@ class OurStep:
     fl = flop_counts(cfg, self.r)
     res = dict(
         shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
-        loss_chunk=cfg.train.loss_chunk,
+        loss_chunk=cfg.train.loss_chunk, attention_impl=str(cfg.model.attention_impl.value),
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
         config=train_lib.config_dict(cfg), compile_s=self.compile_s,
@@ -268,8 +274,8 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
   r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
   timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
   chunks = [int(c) for c in FLAGS.loss_chunk] or [sh.loss_chunk]
-  ours = [OurStep(name, r, dtype, c, timed, n) for c in (FLAGS.remat or [sh.remat])
-          for n in chunks]
+  ours = [OurStep(name, r, dtype, c, timed, n, a) for c in (FLAGS.remat or [sh.remat])
+          for n in chunks for a in (FLAGS.attention_impl or ['auto'])]
   ref = None
   if FLAGS.reference_dir and name in REFERENCE_SHAPES:
     ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[
@@ -310,6 +316,9 @@ def check_flags() -> None:
   bad = [c for c in FLAGS.remat if c not in REMAT_CHOICES]
   if bad:
     flags_util.fail(f'--remat: unknown choices {bad}; known: {REMAT_CHOICES}')
+  impls = [a.value for a in config_lib.AttentionImpl]
+  if any(a not in impls for a in FLAGS.attention_impl):
+    flags_util.fail(f'--attention_impl: {FLAGS.attention_impl}; known: {impls}')
   if not all(c.isdigit() for c in FLAGS.loss_chunk):
     flags_util.fail(f'--loss_chunk: {FLAGS.loss_chunk} must be integers >= 0')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
@@ -350,14 +359,15 @@ def _print_table(doc: dict) -> None:
   """The human-readable summary of a run."""
   print(f'\nmatmul peak (fp32, n={FLAGS.peak_n}): {doc["matmul_peak_flops"] / 1e9:.1f} '
         f'GFLOP/s; load avg {doc["load_avg_start"][0]:.2f} -> {doc["load_avg_end"][0]:.2f}')
-  head = (f'{"shape":6} {"remat":>8} {"tok/step":>8} {"step s":>7} {"tok/s":>9} '
+  head = (f'{"shape":6} {"remat":>13} {"tok/step":>8} {"step s":>7} {"tok/s":>9} '
           f'{"GF/tok":>7} {"%peak":>6} {"%pk hw":>6} {"temp MB":>8} {"ref tok/s":>9} '
           f'{"ratio":>6} {"target":>7}')
   print(head + '\n' + '-' * len(head))
   notes = set()
   for res in doc['results']:
-    remat = res['remat'] + (f'/c{res["loss_chunk"]}' if res['loss_chunk'] else '')
-    line = (f'{res["shape"]:6} {remat:>8} {res["tokens_per_step"]:>8} ')
+    remat = (res['remat'] + (f'/c{res["loss_chunk"]}' if res['loss_chunk'] else '')
+             + ('' if res['attention_impl'] == 'auto' else f'/{res["attention_impl"]}'))
+    line = (f'{res["shape"]:6} {remat:>13} {res["tokens_per_step"]:>8} ')
     temp = f'{res.get("temp_bytes", float("nan")) / 1e6:>8.0f}'
     if not res['timed']:
       print(line + f'{"(compiled only on cpu: not timed)":>46} {temp}  '
@@ -391,7 +401,8 @@ def main(argv):
     steps = max(1, min(FLAGS.steps, cap) if cap else FLAGS.steps)
     for res in bench_shape(name, steps, FLAGS.warmup, FLAGS.rounds):
       results.append(res)
-      print(f'{name} remat={res["remat"]} loss_chunk={res["loss_chunk"]}: ' + (
+      print(f'{name} remat={res["remat"]} loss_chunk={res["loss_chunk"]} '
+            f'attention={res["attention_impl"]}: ' + (
           f'{res["tokens_per_s"]:,.1f} tok/s (median of {len(res["step_times_s"])})'
           if res['timed'] else 'compiled only') + f', compile {res["compile_s"]:.1f}s'
           + (f'; reference {res["reference"]["tokens_per_s"]:,.1f} tok/s'
@@ -405,7 +416,7 @@ def main(argv):
       date=datetime.datetime.now().isoformat(timespec='seconds'),
       command=' '.join(sys.argv), flags={k: FLAGS[k].value for k in (
           'shapes', 'steps', 'warmup', 'cap_heavy', 'depth', 'dtype', 'remat', 'loss_chunk',
-          'peak_n',
+          'attention_impl', 'peak_n',
           'reference_dir', 'reference_threads', 'rounds')},
       jax_version=jax.__version__, backend=jax.default_backend(),
       devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(),

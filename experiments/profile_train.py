@@ -13,7 +13,9 @@ XLA:CPU op events (on every thread) by
           head) or `other`;
   kind:   matmul (a dot, or a fusion around one) or elementwise (every other op).
 Each op event is attributed through its HLO instruction's op_name. Times are per step,
-summed over the threads that ran ops; `wall_s` is the step's wall time.
+summed over the threads that ran ops; `wall_s` is the step's wall time. On a GPU the
+events are the device's kernels (their `hlo_op` stat names the instruction), and the
+JSON adds the 40 costliest kernels by name (`kernels`) and the trace's device lines.
 """
 
 import collections
@@ -74,12 +76,65 @@ def classify(op_name: str, matmul: bool) -> tuple[str, str, str, str]:
   return region, pas, part, 'matmul' if matmul else 'elementwise'
 
 
-def op_times(trace_dir: str) -> collections.Counter:
-  """Summed duration (ns) per XLA op name over every thread of a trace."""
+# GPU kernels by family, from their names (first match wins): library kernels carry no HLO
+# op name in a trace of CUDA-graph launches, so this is how their time is attributed.
+KERNEL_FAMILIES = (
+    ('attention (cuDNN)', re.compile(r'sdpa|fmha|cudnn')),
+    ('matmul fp32 (TF32)', re.compile(r'f32f32_tf32|sgemm')),
+    ('matmul', re.compile(r'nvjet|gemm|xmma|cutlass|dot')),
+    ('copy', re.compile(r'^Memcpy|^Memset|copy')),
+    ('XLA fusion', re.compile(r'fusion|concatenate|convert|reduce|transpose|slice')),
+)
+
+
+def kernel_family(name: str) -> str:
+  """The KERNEL_FAMILIES family of one GPU kernel name, or 'other'."""
+  return next((fam for fam, pat in KERNEL_FAMILIES if pat.search(name)), 'other')
+
+
+def _planes(trace_dir: str):
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   path = sorted(glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True))[-1]
+  return ProfileData.from_file(path).planes
+
+
+def _stats(ev) -> dict:
+  try:
+    return {str(k): v for k, v in ev.stats}
+  except (TypeError, ValueError):
+    return {}
+
+
+def device_op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter, list]:
+  """GPU: kernel ns per HLO op (the kernels' hlo_op stat) and per kernel, plus the lines."""
+  ops, kernels, lines = collections.Counter(), collections.Counter(), []
+  xla_ops = collections.Counter()
+  for plane in _planes(trace_dir):
+    if not plane.name.startswith('/device:'):
+      continue
+    for line in plane.lines:
+      evs = list(line.events)
+      lines.append(dict(plane=plane.name, line=line.name, events=len(evs),
+                        s=sum(e.duration_ns for e in evs) / 1e9,
+                        sample=[[e.name[:100], {k: str(v)[:100] for k, v in _stats(e).items()}]
+                                for e in evs[:2]]))
+      if line.name == 'XLA Ops':  # a fallback where the kernels carry no hlo_op stat
+        for ev in evs:
+          xla_ops[ev.name.lstrip('%')] += ev.duration_ns
+      if not line.name.startswith('Stream'):
+        continue
+      for ev in evs:
+        kernels[ev.name] += ev.duration_ns
+        op = _stats(ev).get('hlo_op')
+        if op:
+          ops[str(op).lstrip('%')] += ev.duration_ns
+  return ops or xla_ops, kernels, lines
+
+
+def op_times(trace_dir: str) -> collections.Counter:
+  """Summed duration (ns) per XLA op name over every thread of a trace."""
   times = collections.Counter()
-  for plane in ProfileData.from_file(path).planes:
+  for plane in _planes(trace_dir):
     for line in plane.lines:
       if 'XLA' not in line.name:
         continue
@@ -90,10 +145,11 @@ def op_times(trace_dir: str) -> collections.Counter:
   return times
 
 
-def profile_shape(name: str, remat: str, steps: int) -> dict:
+def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto') -> dict:
   """Traces `steps` steps of one shape and returns the time breakdown (seconds per step)."""
   sh = bench_train.SHAPES[name]
-  ours = bench_train.OurStep(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat, True)
+  ours = bench_train.OurStep(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat, True,
+                             attention_impl=attention_impl)
   ours.run(0, warmup=1)
   ops = hlo_ops(ours.compiled.as_text())
   with tempfile.TemporaryDirectory() as d:
@@ -102,7 +158,10 @@ def profile_shape(name: str, remat: str, steps: int) -> dict:
     ours.run(steps)
     wall = (time.perf_counter() - t0) / steps
     jax.profiler.stop_trace()
-    times = op_times(d)
+    gpu = jax.default_backend() == 'gpu'
+    times, kernels, lines = device_op_times(d) if gpu else (op_times(d), None, None)
+    if gpu and not times:  # no hlo_op stats: XLA's own kernels are named as their op
+      times = kernels
   by = collections.defaultdict(float)
   unmatched = 0.0
   for op, ns in times.items():
@@ -113,9 +172,17 @@ def profile_shape(name: str, remat: str, steps: int) -> dict:
     by[' | '.join((region, pas, part, kind))] += ns / 1e9 / steps
   total = sum(by.values())
   summary = {axis: _sum_by(by, i) for i, axis in enumerate(('region', 'pass', 'part', 'kind'))}
-  return dict(shape=name, remat=remat, steps=steps, wall_s=wall, op_s=total,
-              unmatched_s=unmatched / 1e9 / steps, summary=summary,
-              detail=dict(sorted(by.items(), key=lambda kv: -kv[1])))
+  out = dict(shape=name, remat=remat, attention_impl=attention_impl, steps=steps, wall_s=wall, op_s=total,
+             unmatched_s=unmatched / 1e9 / steps, summary=summary,
+             detail=dict(sorted(by.items(), key=lambda kv: -kv[1])))
+  if kernels is not None:  # GPU: the kernels by family and by name, and the trace's lines
+    families = collections.Counter()
+    for k, v in kernels.items():
+      families[kernel_family(k)] += v / 1e9 / steps
+    out.update(kernel_s=sum(kernels.values()) / 1e9 / steps, lines=lines,
+               families=dict(families.most_common()),
+               kernels={k[:160]: v / 1e9 / steps for k, v in kernels.most_common(40)})
+  return out
 
 
 def _sum_by(by: dict, i: int) -> dict:
@@ -123,6 +190,21 @@ def _sum_by(by: dict, i: int) -> dict:
   for key, v in by.items():
     out[key.split(' | ')[i]] += v
   return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _print(res: dict) -> None:
+  """One profile's summary (and, on a GPU, its costliest kernels)."""
+  print(f'\n{res["shape"]} remat={res["remat"]} attention={res["attention_impl"]}: wall '
+        f'{res["wall_s"]:.2f} s/step, ops {res["op_s"]:.2f} s/step, unmatched '
+        f'{res["unmatched_s"]:.2f}')
+  for axis, parts in res['summary'].items():
+    print(f'  {axis:7s} ' + ', '.join(f'{k} {100 * v / max(res["op_s"], 1e-12):.0f}%'
+                                      for k, v in parts.items()))
+  if 'families' in res:
+    print(f'  kernels {res["kernel_s"]:.3f} s/step: ' + ', '.join(
+        f'{k} {100 * v / res["kernel_s"]:.0f}%' for k, v in res['families'].items()))
+  for k, v in list(res.get('kernels', {}).items())[:15]:
+    print(f'  {v * 1e3:9.2f} ms  {k[:100]}')
 
 
 def main(argv):
@@ -133,13 +215,10 @@ def main(argv):
   results = []
   for name in FLAGS.shapes:
     for remat in FLAGS.remat or [bench_train.SHAPES[name].remat]:
-      res = profile_shape(name, remat, FLAGS.profile_steps)
-      results.append(res)
-      print(f'\n{name} remat={remat}: wall {res["wall_s"]:.2f} s/step, ops {res["op_s"]:.2f} '
-            f'thread-s/step')
-      for axis, parts in res['summary'].items():
-        print(f'  {axis:7s} ' + ', '.join(f'{k} {100 * v / res["op_s"]:.0f}%'
-                                          for k, v in parts.items()))
+      for impl in FLAGS.attention_impl or ['auto']:
+        res = profile_shape(name, remat, FLAGS.profile_steps, impl)
+        results.append(res)
+        _print(res)
   out = FLAGS.out if FLAGS.out != FLAGS['out'].default else 'runs/profile_train.json'
   bench_util.write_json(out, dict(
       command=" ".join(sys.argv), cpu=bench_util.cpu_description(),

@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -169,3 +170,35 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert v['a1_masked']['core_keys'] == 16
   assert 16 / 2 < v['a1_compact']['core_keys'] <= 16
   assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5
+
+
+@pytest.mark.parametrize('name,family', [  # kernel names from a 135M step's trace on an H200
+    ('cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26', 'attention (cuDNN)'),
+    ('void cudnn::fusion::fmha_reduce_head<true>(void const*)', 'attention (cuDNN)'),
+    ('sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize256x128x32', 'matmul fp32 (TF32)'),
+    ('nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT', 'matmul'), ('gemm_fusion_dot_94', 'matmul'),
+    ('loop_multiply_fusion_34', 'XLA fusion'), ('input_concatenate_fusion_8', 'XLA fusion'),
+    ('MemcpyD2H', 'copy'), ('some_custom_kernel', 'other')])
+def test_profile_train_kernel_families(name, family):
+  from experiments import profile_train  # pylint: disable=g-import-not-at-top
+  assert profile_train.kernel_family(name) == family
+
+
+def test_profile_train_reads_gpu_kernels_from_stream_lines(monkeypatch):
+  """Device planes only; hlo_op stats where present, else the 'XLA Ops' line."""
+  from experiments import profile_train  # pylint: disable=g-import-not-at-top
+  ev = lambda name, ns, stats=(): types.SimpleNamespace(name=name, duration_ns=ns, stats=stats)
+  line = lambda name, evs: types.SimpleNamespace(name=name, events=evs)
+  plane = lambda name, lines: types.SimpleNamespace(name=name, lines=lines)
+  host = plane('/host:CPU', [line('XLA Ops', [ev('fusion.9', 99)])])
+  gpu = plane('/device:GPU:0', [
+      line('Stream #14(Compute)', [ev('nvjet_a', 10, [('hlo_op', '%dot.1')]),
+                                    ev('loop_add_fusion', 5), ev('nvjet_a', 7)]),
+      line('XLA Ops', [ev('dot.1', 17), ev('loop_add_fusion', 5)])])
+  monkeypatch.setattr(profile_train, '_planes', lambda d: [host, gpu])
+  ops, kernels, lines = profile_train.device_op_times('unused')
+  assert ops == {'dot.1': 10} and kernels == {'nvjet_a': 17, 'loop_add_fusion': 5}
+  assert [l['line'] for l in lines] == ['Stream #14(Compute)', 'XLA Ops']
+  gpu.lines[0].events[0].stats = ()  # no hlo_op stats anywhere: the XLA Ops line
+  ops, _, _ = profile_train.device_op_times('unused')
+  assert ops == {'dot.1': 17, 'loop_add_fusion': 5}

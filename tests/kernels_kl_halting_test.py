@@ -88,6 +88,28 @@ def test_kl_halting_matches_numpy(n, d, v, block_n, block_v, block_d):
   assert_argmax_close(argmax_N, a_NxV, want_argmax, 1e-4)
 
 
+@pytest.mark.parametrize('v_splits', [1, 3, None])
+def test_vocab_splits_match_numpy(v_splits):
+  """Splits merged by _combine; with 3 splits of V=1000 / 128 the last holds a padded
+  tile and a tile of padding alone."""
+  n, d, v = 40, 32, 1000
+  h, hprev, w = make_inputs(11, n, d, v, logit_scale=3.0)
+  kl_N, argmax_N, lse_N = klh.kl_halting(h, hprev, w, block_n=16, block_v=128,
+                                         v_splits=v_splits, interpret=INTERPRET)
+  want_kl, want_argmax, want_lse = expected(h, hprev, w)
+  np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(lse_N, want_lse, rtol=1e-5, atol=1e-5)
+  assert_argmax_close(argmax_N, np_logits(to_f64(h), to_f64(w)), want_argmax, 1e-4)
+
+
+@pytest.mark.parametrize('n_blocks,tiles,want', [(1, 384, 384), (8, 384, 64), (128, 384, 4),
+                                                 (1000, 384, 1), (1, 8, 8), (2, 7, 7)])
+def test_vocab_splits_cover_every_tile_and_none_is_empty(n_blocks, tiles, want):
+  splits, per = klh.vocab_splits(n_blocks, tiles)
+  assert splits == want and splits * per >= tiles and (splits - 1) * per < tiles
+  assert klh.vocab_splits(n_blocks, 8, 3) == (3, 3)  # 3 splits of 3 tiles: 1 tile padding
+
+
 @pytest.mark.parametrize('n,d,v', [(33, 40, 777), (16, 576, 300)])
 def test_reference_matches_numpy(n, d, v):
   h, hprev, w = make_inputs(7 * n, n, d, v, logit_scale=3.0)
@@ -183,7 +205,8 @@ def test_argmax_ties_first_index():
   np.testing.assert_array_equal(np_logits(h_NxD, w_VxD).argmax(1),
                                 want_argmax_N)
   for _, argmax_N, _ in (
-      klh.kl_halting(h, h, w, block_n=16, block_v=128, interpret=INTERPRET),
+      klh.kl_halting(h, h, w, block_n=16, block_v=128, v_splits=1, interpret=INTERPRET),
+      klh.kl_halting(h, h, w, block_n=16, block_v=128, v_splits=8, interpret=INTERPRET),
       klh.reference_kl_halting(h, h, w)):
     np.testing.assert_array_equal(argmax_N, want_argmax_N)
   # First occurrence only in a later tile, with a tie in the padded last tile

@@ -99,13 +99,17 @@ def test_device_check_script_runs_real_mains_with_valid_flags(tmp_path):
   env = dict(os.environ, DRY='1', OUT=str(tmp_path))
   out = subprocess.run(['bash', script], env=env, capture_output=True, text=True, check=True)
   cmds = [shlex.split(l) for l in out.stdout.splitlines()]
-  assert [c[2] for c in cmds] == ['pytest', 'experiments.bench_kl'] + [
-      'experiments.bench_train'] * 3 + ['experiments.bench_exit']
+  assert [c[2] for c in cmds] == [
+      'experiments.bench_train', 'experiments.profile_train', 'pytest', 'experiments.bench_kl',
+      'experiments.bench_exit', 'experiments.bench_train']
   assert all(c[:2] == ['python3', '-m'] for c in cmds)
   assert any('--shapes=135m' in c for c in cmds)  # issue 13's GPU step
   for c in cmds:
     if c[2] == 'pytest':
-      assert all(os.path.exists(os.path.join(REPO, a)) for a in c[3:] if a.startswith('tests/'))
+      for a in (a for a in c[3:] if a.startswith('tests/')):  # files, or file::test ids
+        path, _, test = a.partition('::')
+        with open(os.path.join(REPO, path), encoding='utf-8') as f:
+          assert not test or f'def {test}(' in f.read(), a
       continue
     res = subprocess.run([sys.executable, '-c', _PARSE_ONLY, c[2], *c[3:]], cwd=REPO,
                          capture_output=True, text=True)

@@ -221,6 +221,30 @@ def test_attention_impls_agree_on_the_model_and_its_gradient(model_cfg):
     model_lib.attention_fn('flash')
 
 
+@pytest.mark.parametrize('backend,dtype,head_dim,want', [
+    ('cpu', jnp.bfloat16, 64, 'chunked'), ('gpu', jnp.bfloat16, 64, 'cudnn'),
+    ('gpu', jnp.float16, 128, 'cudnn'), ('gpu', jnp.float32, 64, 'xla'),
+    ('gpu', jnp.bfloat16, 256, 'xla'), ('gpu', jnp.bfloat16, 60, 'xla'),
+    ('tpu', jnp.bfloat16, 64, 'xla')])
+def test_auto_attention_picks_cudnn_only_where_it_applies(backend, dtype, head_dim, want):
+  assert model_lib.auto_attention_impl(backend, dtype, head_dim) == want
+
+
+@pytest.mark.skipif(jax.default_backend() != 'gpu', reason='cuDNN attention needs a GPU')
+def test_cudnn_attention_matches_chunked_in_bf16():
+  """AUTO's GPU choice (cuDNN, GQA 9/3 heads) against the chunked attention, fwd and grad."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 256, h, 64)), jnp.bfloat16) for h in (9, 3, 3))
+  outs = {}
+  for impl in ('cudnn', 'chunked'):
+    f = model_lib.attention_fn(impl)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))
+    outs[impl] = (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+  np.testing.assert_allclose(f64(outs['cudnn'][0]), f64(outs['chunked'][0]), atol=3e-2)
+  for a, b in zip(outs['cudnn'][1], outs['chunked'][1]):
+    np.testing.assert_allclose(f64(a), f64(b), atol=6e-2)
+
+
 def test_attention_explicit_causal_mask_via_kv_fn(model_cfg):
   attn = model_lib.Attention(model_cfg, nnx.Rngs(0))
   randomise(attn, 4)
