@@ -195,6 +195,8 @@ class ExitConfig:
                              # this many consecutive loops (counted from loop 2)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
   engine: ExitEngine = ExitEngine.MASKED  # score/prefill: masked or compacted loop
+  compact_steps: int = 8     # compacted: buffer sizes are multiples of L / compact_steps
+                             # (and powers of two below): one compiled phase per size
 
 
 @dataclasses.dataclass
@@ -283,6 +285,7 @@ RANGES = {
                   peak_flops=NON_NEGATIVE, loss_chunk=NON_NEGATIVE),
     'exit': dict(eps=NON_NEGATIVE, depth=AT_LEAST_1, min_loops=AT_LEAST_1,
                  max_loops=AT_LEAST_1, check_every=AT_LEAST_1, gate=NON_NEGATIVE,
+                 compact_steps=AT_LEAST_1,
                  patience=AT_LEAST_1),
 }
 

@@ -249,11 +249,12 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
 
 def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
                       exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
-                      steps: int = 8):
+                      steps: Optional[int] = None):
   """Loop policy: the same per-token exit as `exit_loop`, run on the active tokens only.
 
   Loops run in phases of one capacity (`recurrence.early_exit_compacted`: every row's
-  active tokens in a buffer of one of `recurrence.capacities(L, steps)` slots, gathered
+  active tokens in a buffer of one of `recurrence.capacities(L, steps)` slots (steps: the
+  config's compact_steps unless given), gathered
   once per phase); the core runs on the buffer (queries) against the whole rows'
   keys/values (kv-group-major buffers, the live tokens' fresh ones scattered in,
   `compaction.compact_attention`), and so do the exit check's readout, head and KL
@@ -267,6 +268,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   del targets_BxL  # only read by traces
   if trace:
     raise ValueError('error: per-loop traces need exit.engine=masked')
+  steps = cfg.compact_steps if steps is None else steps
   policy = ExitPolicy(cfg.policy)
   needs_head = policy in policies.HEAD_POLICIES
 

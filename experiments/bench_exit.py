@@ -50,6 +50,9 @@ _FAKE = flags.DEFINE_float('fake_exit_fraction', 0.25,
                            'Share of active tokens exiting after each loop (0: use eps).')
 _POLICY = flags.DEFINE_enum('policy', 'kl', ['kl', 'state_delta'],
                             'Exit check run at every loop (state_delta: no coda/head).')
+_STEPS = flags.DEFINE_integer('compact_steps', 8, 'exit.compact_steps: the compacted '
+                              'buffers are multiples of L / this (and powers of two below).',
+                              lower_bound=1)
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).')
 _MIN_TOKENS = flags.DEFINE_integer('min_tokens', 4096, 'With --workdir: validation tokens '
                                    'per timed batch, at least.')
@@ -103,13 +106,14 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   sched = _schedule((b, l), fake, depth) if fake > 0 else None
   # synthetic exits: a threshold no statistic reaches, so the schedule decides
   ecfg = config.ExitConfig(policy=_POLICY.value, eps=-1.0 if sched is not None else eps,
-                           max_loops=depth)
+                           max_loops=depth, compact_steps=_STEPS.value)
   fns = _variants(mdl, depth, ecfg, sched)
-  outs = {}
+  outs, first_s = {}, {}
   for k, f in fns.items():  # compile + warm, with progress (minutes at P on a GPU)
     t0 = time.perf_counter()
     outs[k] = jax.block_until_ready(f(toks))
-    print(f'{name}: {k} compiled and run once in {time.perf_counter() - t0:.1f} s', flush=True)
+    first_s[k] = time.perf_counter() - t0
+    print(f'{name}: {k} compiled and run once in {first_s[k]:.1f} s', flush=True)
   times, loads = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
                                     _REPEATS.value, warmup=0)
   med = {k: statistics.median(v) for k, v in times.items()}
@@ -133,7 +137,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   keys = {'a0': model_lib.causal_keys(l), 'a1_masked': float(m.counts.core_keys),
           'a1_compact': float(c.counts.core_keys)}  # per core query, as executed
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
-                  tokens_per_s=n / med[k], core_keys=keys[k],
+                  tokens_per_s=n / med[k], core_keys=keys[k], first_call_s=first_s[k],
                   executed_gflop=flops[k] / 1e9) for k in fns}
   print(f'{name}: load {statistics.median(loads):.1f}  mean loops {mean_loops:.2f}'
         f' of {depth}', flush=True)
@@ -148,7 +152,8 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
               policy=_POLICY.value,
               fake_exit_fraction=fake, eps=ecfg.eps, variants=rows,
               active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
-              loadavg_per_repeat=loads, capacities=recurrence.capacities(l))
+              loadavg_per_repeat=loads, compact_steps=_STEPS.value,
+              capacities=recurrence.capacities(l, _STEPS.value))
 
 
 def parts(mdl, toks, repeats: int) -> dict:

@@ -1,5 +1,6 @@
 """Compacted early exit (exit.engine=compacted) against the masked engine it must equal."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -44,7 +45,8 @@ def _ragged_eps(trace, policy, min_loops):
 def _both(mdl, toks, cfg, router=None, **kw):
   """(masked, compacted) forwards; two-step capacities keep compilation short."""
   loops = (inference.exit_loop(cfg, router=router, **kw),
-           inference.compact_exit_loop(cfg, router=router, steps=2, **kw))
+           inference.compact_exit_loop(dataclasses.replace(cfg, compact_steps=2), router=router,
+                                       **kw))
   return [jax.jit(lambda t, f=f: mdl.forward(t, jax.random.key(0), f))(toks) for f in loops]
 
 

@@ -70,6 +70,7 @@ BAD = {
     'exit.min_loops': [0, -1, 33],  # 33 > exit.max_loops
     'exit.max_loops': [0, -1],
     'exit.check_every': [0, -1],
+    'exit.compact_steps': [0, -2],
     'exit.gate': [-0.1, NAN],
     'exit.patience': [0, -1, 2],  # 2: the default policy (kl) has no patience
 }
