@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 13 and 10 as ONE device call (the session's 15 minutes of device
-# time include the machine's start, ~30 s; the steps' caps sum to 7 min 15 s; STEPS=a,b
+# time include the machine's start, ~30 s; the steps' caps sum to 7 min 50 s; STEPS=a,b
 # runs only those).
 #   bash launch/device_wheels.sh                                  # here, once: .whl/
-#   device run: command="bash launch/device_check.sh", carry=[".whl"], timeout_s=470
+#   device run: command="bash launch/device_check.sh", carry=[".whl"], timeout_s=500
 # Each step is capped by `timeout`; a failing step does not stop the others. Logs and JSON
 # go to $OUT/work and travel as $OUT/results.tgz (remade after every step), beside
 # summary.txt (one line per step: name, exit code, seconds) and env.txt; runs/device/
 # without $OUT.
 # Steps (seconds at most): bench_train_135m, the real 135M training step (bf16, 16 x 2048,
 # launch/135m.flags' micro-batches and remat) with tokens/s and MFU against the device's
-# bf16 peak (75); profile_135m, where that step's GPU time goes, by part and by kernel (75);
+# bf16 peak, with the plain head + loss and fused in chunks of 4,096 tokens (its backward
+# products in bf16; the plain one's ran as fp32/TF32 GEMMs, 9% of the step) (110); profile_135m, where that step's GPU time goes, by part and by kernel (75);
 # kernels, the compiled Pallas KL-halting kernel tests and the cuDNN attention test (75);
 # bench_kl at the paper shape, 1,024 and 16 tokens, vocab splits auto and 1 (40);
 # bench_exit_P, compacted scoring at the 135M blocks (state change, 100); then
@@ -49,8 +50,8 @@ if [ -z "${DRY:-}" ]; then
     python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
 "optax", optax.__version__); print(jax.devices())'; } > "$OUT/env.txt" 2>&1
 fi
-step bench_train_135m 75 python3 -m experiments.bench_train --shapes=135m --steps=3 \
-  --out="$OUT/bench_train_135m.json"
+step bench_train_135m 110 python3 -m experiments.bench_train --shapes=135m --steps=3 \
+  --loss_chunk=0,4096 --out="$OUT/bench_train_135m.json"
 step profile_135m 75 python3 -m experiments.profile_train --shapes=135m --profile_steps=1 \
   --out="$OUT/profile_135m.json"
 step kernels 75 python3 -m pytest -v -p no:cacheprovider --timeout=30 -rfE --tb=short \
