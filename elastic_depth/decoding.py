@@ -141,10 +141,11 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   else:
     s0 = jnp.broadcast_to(lax.dynamic_index_in_dim(init_table, pos, 0, keepdims=False),
                           e.shape).astype(e.dtype)
+  inj = model.inject(e)
 
   def masked_step(s, core_kv, active_Bx1):
     fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
-    return model.core_step(s, e, pos_Bx1, fns)
+    return model.core_step(s, inj, pos_Bx1, fns)
 
   def readout(s):
     return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])

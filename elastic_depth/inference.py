@@ -24,7 +24,7 @@ class ScoreResult(NamedTuple):
   depth: jax.Array    # [B, L] loops per token
   traces: Any         # dict of [R, B, L] per-loop stats (empty unless trace)
   kv: Any             # per core block (k, v) offered at the end
-  e: jax.Array        # prelude output [B, L, D]
+  e: jax.Array        # the injection [B, L, D] (model.inject of the prelude output)
   state: jax.Array    # final state [B, L, D]
   prelude_kv: Any     # per prelude block (k, v)
   coda_kv: Any        # per coda block (k, v) of the final readout

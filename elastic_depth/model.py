@@ -3,7 +3,9 @@
 Every block is a sandwich-norm pre/post-norm block (Huginn's form):
   x = norm2(x + attn(norm1(x)));  x = norm4(x + mlp(norm3(x))).
 One core step is `adapter(concat(state, e))` followed by the core blocks, where
-`e` is the prelude output re-injected at every loop.
+`e` is the prelude output re-injected at every loop. The adapter's product is split:
+concat(s, e) @ W = s @ W[:D] + e @ W[D:], and the injection e @ W[D:] (`inject`) is
+computed once per forward rather than at every loop; loops and engines carry it.
 
 Attention takes an optional `kv_fn(k, v) -> (k_all, v_all, mask)` hook that the
 recurrence uses to freeze the keys/values of exited tokens or to read and write a
@@ -337,8 +339,9 @@ class LoopedLM(nnx.Module):
     Args:
       tokens_BxL: int32 input tokens.
       key: key of the random initial recurrent state.
-      loop: how the core runs, (model, s0_BxLxD, e_BxLxD, pos_BxL) -> (s_BxLxD, aux):
-        `fixed`, `bucketed`, `dynamic` below, or an early-exit loop (inference).
+      loop: how the core runs, (model, s0_BxLxD, inj_BxLxD, pos_BxL) -> (s_BxLxD, aux):
+        `fixed`, `bucketed`, `dynamic` below, or an early-exit loop (inference); inj is
+        `inject(e)`, the injection each loop adds.
       s0_BxLxD: an explicit initial state (default: `initial_state(e, key)`).
       head: False skips the LM head (logits None; the loss reads `hidden` itself).
     Returns:
@@ -348,28 +351,35 @@ class LoopedLM(nnx.Module):
     pos = positions(tokens_BxL)
     e, pre_kv = self.encode(tokens_BxL, pos)
     s0 = self.initial_state(e, key, pos) if s0_BxLxD is None else s0_BxLxD.astype(e.dtype)
-    s, aux = loop(self, s0, e, pos)
+    inj = self.inject(e)
+    s, aux = loop(self, s0, inj, pos)
     h, coda_kv = self.decode_state(s, pos)
-    return Forward(self.logits(h) if head else None, s, aux, e, pre_kv, coda_kv, h)
+    return Forward(self.logits(h) if head else None, s, aux, inj, pre_kv, coda_kv, h)
 
-  def step_fn(self, e_BxLxD, pos_BxL) -> Callable[[jax.Array], jax.Array]:
+  def step_fn(self, inj_BxLxD, pos_BxL) -> Callable[[jax.Array], jax.Array]:
     """One core loop as s -> s (no key/value hooks), for the fixed-depth loops.
 
     RoPE's tables are computed here, once, outside the loop: computed inside it, XLA
     fuses cos/sin into every rotation and re-evaluates them per element and per loop.
     """
     rot = self.rotary(pos_BxL)
-    return lambda s: self.core_step(s, e_BxLxD, pos_BxL, rot=rot)[0]
+    return lambda s: self.core_step(s, inj_BxLxD, pos_BxL, rot=rot)[0]
 
   def rotary(self, pos_BxL) -> Rotary:
     """RoPE tables at pos_BxL, to pass to core_step in a loop."""
     return rope_tables(pos_BxL, self.cfg.head_dim, self.cfg.rope_theta)
 
-  def core_step(self, s_BxLxD, e_BxLxD, pos_BxL, kv_fns=None, rot: Optional[Rotary] = None):
-    """One loop of the shared core; returns the new state and per-block (k, v)."""
+  @jax.named_scope('adapter')
+  def inject(self, e_BxLxD) -> jax.Array:
+    """The loop-invariant half of the adapter, e @ W[D:] (once per forward)."""
+    d = self.cfg.d_model
+    return dense(e_BxLxD, self.adapter_2DxD[d:].astype(self.dtype))  # BLD,DD->BLD
+
+  def core_step(self, s_BxLxD, inj_BxLxD, pos_BxL, kv_fns=None, rot: Optional[Rotary] = None):
+    """One loop of the shared core on the injection `inject(e)`; the new state, block (k, v)."""
     with jax.named_scope('adapter'):
-      x = jnp.concatenate([s_BxLxD, e_BxLxD], axis=-1)
-      x = dense(x, self.adapter_2DxD[...].astype(self.dtype))  # BLC,CD->BLD (C = 2D)
+      d = self.cfg.d_model
+      x = dense(s_BxLxD, self.adapter_2DxD[:d].astype(self.dtype)) + inj_BxLxD  # BLD,DD->BLD
     return _run_blocks(self.core, x, pos_BxL, kv_fns, rot)
 
   def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None):
@@ -394,7 +404,7 @@ class Forward(NamedTuple):
   logits: jax.Array   # [B, L, V] fp32
   state: jax.Array    # final recurrent state [B, L, D]
   aux: Any            # what the loop policy returned beside the state
-  e: jax.Array        # prelude output [B, L, D] (re-injected at every loop)
+  e: jax.Array        # the injection [B, L, D]: inject(prelude output), added every loop
   prelude_kv: Any     # per prelude block (k, v)
   coda_kv: Any        # per coda block (k, v) of the final readout
   hidden: Any = None  # [B, L, D] the final norm's output, which the head reads
@@ -472,7 +482,9 @@ def flops_per_token(cfg: ModelConfig, r: float, seq_len: int, core_keys=None) ->
   outer = block if AttentionIn(cfg.attention) == AttentionIn.ALL else mlp
   prelude = cfg.n_prelude * outer
   keys = seq_len / 2 if core_keys is None else core_keys
-  loop = cfg.n_core * (proj + per_key * keys + mlp) + 2 * 2 * d * d
+  # the adapter: s @ W[:D] every loop, the injection e @ W[D:] once (in the prelude's part)
+  loop = cfg.n_core * (proj + per_key * keys + mlp) + 2 * d * d
+  prelude = prelude + 2 * d * d
   head = 2 * d * cfg.vocab_size
   check = cfg.n_coda * outer + head
   total = prelude + r * loop + cfg.n_coda * outer + head

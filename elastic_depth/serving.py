@@ -65,7 +65,7 @@ class State(NamedTuple):
   """The while_loop carry: the cache and each row's in-flight token."""
   cache: decoding.Cache
   s: jax.Array             # [B, 1, D] state of the in-flight token
-  e: jax.Array             # [B, 1, D] its prelude output
+  e: jax.Array             # [B, 1, D] its injection (model.inject of its prelude output)
   pos: jax.Array           # [B] its position
   loop: jax.Array          # [B] loops it has run
   n: jax.Array             # [B] tokens exited so far (generated and decoded)
@@ -126,7 +126,7 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
                for ck, f in zip(st.cache.prelude, fresh)]
     return st._replace(cache=st.cache._replace(prelude=prelude),
                        s=rows.put(st.s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
-                       e=rows.put(st.e, e_C), pos=rows.put(st.pos, pos_C),
+                       e=rows.put(st.e, model.inject(e_C)), pos=rows.put(st.pos, pos_C),
                        loop=rows.put(st.loop, jnp.zeros_like(pos_C)),
                        run=rows.put(st.run, jnp.zeros_like(pos_C)),
                        tokens=st.tokens.at[rows.idx, pos_C].set(tok_C, mode='drop'))

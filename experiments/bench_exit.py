@@ -163,7 +163,7 @@ def parts(mdl, toks, repeats: int) -> dict:
   plain half batch (the first half of each row)."""
   b, l = toks.shape
   pos = model_lib.positions(toks)
-  e, _ = mdl.encode(toks, pos)
+  e = mdl.inject(mdl.encode(toks, pos)[0])
   c = mdl.cfg
   z = jnp.zeros((b, c.num_kv_heads, l, c.head_dim), e.dtype)
   idx = recurrence.right_aligned(jnp.broadcast_to(jnp.arange(l) % 2 == 0, (b, l)), l // 2)

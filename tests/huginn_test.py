@@ -92,7 +92,7 @@ def test_reproduces_huginn_logits_and_per_loop_states(loaded):
     e, _ = mdl.encode(tokens, pos)
     states, logits = [], []
     for _ in range(8):
-      s = mdl.core_step(s, e, pos)[0]
+      s = mdl.core_step(s, mdl.inject(e), pos)[0]
       states.append(s)
       logits.append(mdl.logits(mdl.decode_state(s, pos)[0]))
     return e, jnp.stack(states), jnp.stack(logits)

@@ -134,7 +134,7 @@ def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):
   e, _ = mdl.encode(toks, pos)
   s = mdl.initial_state(e, rng, pos)
   for _ in range(R):
-    s = mdl.core_step(s, e, pos)[0]
+    s = mdl.core_step(s, mdl.inject(e), pos)[0]
   ref = mdl.logits(mdl.decode_state(s, pos)[0])
   np.testing.assert_allclose(np.asarray(full.logits), np.asarray(ref), atol=1e-5)
 

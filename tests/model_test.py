@@ -313,7 +313,7 @@ def test_loss_at_t_has_zero_gradient_wrt_later_positions(model_cfg):
       e, _ = block(e, pos)
     s = s0
     for _ in range(r):
-      s, _ = mdl.core_step(s, e, pos)
+      s, _ = mdl.core_step(s, mdl.inject(e), pos)
     logits = mdl.logits(mdl.decode_state(s, pos)[0])
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -399,11 +399,12 @@ def test_flops_per_token_hand_count(model_cfg):
   head = mm(d, v)
   for r in (1, 2.5, 7):
     got = model_lib.flops_per_token(cfg, r, seq)
-    assert got['prelude'] == pytest.approx(2 * per_block)
-    assert got['loop'] == pytest.approx(3 * per_block + mm(2 * d, d))  # + adapter
+    # the adapter: the injection e @ W[D:] once (prelude), s @ W[:D] every loop
+    assert got['prelude'] == pytest.approx(2 * per_block + mm(d, d))
+    assert got['loop'] == pytest.approx(3 * per_block + mm(d, d))
     assert got['head'] == pytest.approx(head)
     assert got['coda_head'] == pytest.approx(per_block + head)
-    assert got['total'] == pytest.approx(2 * per_block + r * (3 * per_block + mm(2 * d, d))
+    assert got['total'] == pytest.approx(2 * per_block + mm(d, d) + r * (3 * per_block + mm(d, d))
                                          + per_block + head)
 
 

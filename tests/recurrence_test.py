@@ -36,7 +36,7 @@ def core(model_cfg):
     pos = model_lib.positions(tokens)
     e, _ = mdl.encode(tokens, pos)
     s0 = mdl.initial_state(e, jax.random.key(1), pos)
-    s = run(lambda s: mdl.core_step(s, e, pos)[0], s0)
+    s = run(lambda s: mdl.core_step(s, mdl.inject(e), pos)[0], s0)
     return jnp.sum(s * proj)  # a random linear read-out of the final state
 
   return graphdef, params, loss_of
