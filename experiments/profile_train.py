@@ -172,8 +172,8 @@ def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto
     by[' | '.join((region, pas, part, kind))] += ns / 1e9 / steps
   total = sum(by.values())
   summary = {axis: _sum_by(by, i) for i, axis in enumerate(('region', 'pass', 'part', 'kind'))}
-  out = dict(shape=name, remat=remat, attention_impl=attention_impl, steps=steps, wall_s=wall, op_s=total,
-             unmatched_s=unmatched / 1e9 / steps, summary=summary,
+  out = dict(shape=name, remat=remat, attention_impl=attention_impl, steps=steps, wall_s=wall,
+             op_s=total, unmatched_s=unmatched / 1e9 / steps, summary=summary,
              detail=dict(sorted(by.items(), key=lambda kv: -kv[1])))
   if kernels is not None:  # GPU: the kernels by family and by name, and the trace's lines
     families = collections.Counter()
