@@ -125,7 +125,8 @@ def _bench_variant(n, d, v, dtype, blocks, on_gpu, time_reference):
     return klh.kl_halting(h, hprev, w, interpret=not on_gpu, **blocks)
 
   kernel_fn = jax.jit(kernel_fn)
-  ref = {'memory': memory_stats(ref_fn.lower(*specs).compile())}
+  # the reference is compiled and timed with the first variant only
+  ref = {'memory': memory_stats(ref_fn.lower(*specs).compile())} if time_reference else {}
   ker = {'memory': memory_stats(kernel_fn.lower(*specs).compile()),
          'interpret': not on_gpu}
   if not on_gpu:

@@ -106,7 +106,12 @@ def _stats(ev) -> dict:
 
 
 def device_op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter, list]:
-  """GPU: kernel ns per HLO op (the kernels' hlo_op stat) and per kernel, plus the lines."""
+  """GPU: kernel ns per HLO op and per kernel, plus the lines.
+
+  The ops come from the kernels' hlo_op stats, else the 'XLA Ops' line, else the kernel
+  names themselves (CUDA-graph launches carry neither: XLA's own kernels are named as
+  their op, library kernels stay unmatched).
+  """
   ops, kernels, lines = collections.Counter(), collections.Counter(), []
   xla_ops = collections.Counter()
   for plane in _planes(trace_dir):
@@ -128,7 +133,7 @@ def device_op_times(trace_dir: str) -> tuple[collections.Counter, collections.Co
         op = _stats(ev).get('hlo_op')
         if op:
           ops[str(op).lstrip('%')] += ev.duration_ns
-  return ops or xla_ops, kernels, lines
+  return ops or xla_ops or kernels, kernels, lines
 
 
 def op_times(trace_dir: str) -> collections.Counter:
@@ -160,8 +165,6 @@ def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto
     jax.profiler.stop_trace()
     gpu = jax.default_backend() == 'gpu'
     times, kernels, lines = device_op_times(d) if gpu else (op_times(d), None, None)
-    if gpu and not times:  # no hlo_op stats: XLA's own kernels are named as their op
-      times = kernels
   by = collections.defaultdict(float)
   unmatched = 0.0
   for op, ns in times.items():

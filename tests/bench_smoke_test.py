@@ -202,3 +202,6 @@ def test_profile_train_reads_gpu_kernels_from_stream_lines(monkeypatch):
   gpu.lines[0].events[0].stats = ()  # no hlo_op stats anywhere: the XLA Ops line
   ops, _, _ = profile_train.device_op_times('unused')
   assert ops == {'dot.1': 17, 'loop_add_fusion': 5}
+  gpu.lines.pop()  # nor an XLA Ops line (the H200's CUDA-graph trace): the kernel names
+  ops, kernels, _ = profile_train.device_op_times('unused')
+  assert ops == kernels == {'nvjet_a': 17, 'loop_add_fusion': 5}
