@@ -80,6 +80,8 @@ flags.DEFINE_list('loss_chunk', [], 'train.loss_chunk values to time per shape a
 flags.DEFINE_list('attention_impl', [], 'model.attention_impl values to time per shape, '
                   f'remat and loss chunk, of {[a.value for a in config_lib.AttentionImpl]} '
                   '(default: auto).')
+flags.DEFINE_integer('micro_batch', 0, 'Override the micro-batch rows (train.batch_size) of '
+                     'every shape, tokens per step kept (0: the shape\'s).')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
 flags.DEFINE_string('tiny_flags', os.path.join(REPO, 'launch', 'tiny.flags'),
                     'Flag file the `tiny` shape is parsed from.')
@@ -148,6 +150,8 @@ def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | No
       mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
       remat_policy=config_lib.RematPolicy.NOTHING if remat == 'off' else remat)
   chunk = sh.loss_chunk if loss_chunk is None else loss_chunk
+  if FLAGS.micro_batch:
+    train_kw = dict(train_kw, batch_size=FLAGS.micro_batch)
   train = dataclasses.replace(config_lib.TrainConfig(), **train_kw, steps=1000,
                               warmup_steps=10, loss_chunk=chunk)
   cfg = config_lib.Config(model=model, depth=depth, train=train)
@@ -321,6 +325,9 @@ def check_flags() -> None:
     flags_util.fail(f'--attention_impl: {FLAGS.attention_impl}; known: {impls}')
   if not all(c.isdigit() for c in FLAGS.loss_chunk):
     flags_util.fail(f'--loss_chunk: {FLAGS.loss_chunk} must be integers >= 0')
+  if FLAGS.micro_batch < 0 or (FLAGS.micro_batch and FLAGS.reference_dir):
+    flags_util.fail(f'--micro_batch={FLAGS.micro_batch} must be >= 0, and 0 beside '
+                    '--reference_dir (the reference runs the shape\'s own batch)')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
     flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
   if FLAGS.reference_dir:

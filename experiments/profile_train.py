@@ -3,7 +3,8 @@
 Usage: python -m experiments.profile_train --shapes=S [--remat=nothing] [--profile_steps=2]
   [--out=runs/profile_train.json]
 
-Builds the same step as `bench_train` (its flags: --shapes, --remat, --depth, --dtype),
+Builds the same step as `bench_train` (its flags: --shapes, --remat, --depth, --dtype,
+--loss_chunk, --attention_impl, --micro_batch),
 runs one untimed step, traces --profile_steps steps with `jax.profiler`, and sums the
 XLA:CPU op events (on every thread) by
   region: the core loops (inside the depth scan), outside them (embedding, prelude, coda,
@@ -150,11 +151,12 @@ def op_times(trace_dir: str) -> collections.Counter:
   return times
 
 
-def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto') -> dict:
+def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto',
+                  loss_chunk: int | None = None) -> dict:
   """Traces `steps` steps of one shape and returns the time breakdown (seconds per step)."""
   sh = bench_train.SHAPES[name]
   ours = bench_train.OurStep(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat, True,
-                             attention_impl=attention_impl)
+                             loss_chunk, attention_impl)
   ours.run(0, warmup=1)
   ops = hlo_ops(ours.compiled.as_text())
   with tempfile.TemporaryDirectory() as d:
@@ -175,7 +177,9 @@ def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto
     by[' | '.join((region, pas, part, kind))] += ns / 1e9 / steps
   total = sum(by.values())
   summary = {axis: _sum_by(by, i) for i, axis in enumerate(('region', 'pass', 'part', 'kind'))}
-  out = dict(shape=name, remat=remat, attention_impl=attention_impl, steps=steps, wall_s=wall,
+  out = dict(shape=name, remat=remat, attention_impl=attention_impl,
+             loss_chunk=ours.cfg.train.loss_chunk, batch_size=ours.cfg.train.batch_size,
+             grad_accum=ours.accum, steps=steps, wall_s=wall,
              op_s=total, unmatched_s=unmatched / 1e9 / steps, summary=summary,
              detail=dict(sorted(by.items(), key=lambda kv: -kv[1])))
   if kernels is not None:  # GPU: the kernels by family and by name, and the trace's lines
@@ -219,9 +223,10 @@ def main(argv):
   for name in FLAGS.shapes:
     for remat in FLAGS.remat or [bench_train.SHAPES[name].remat]:
       for impl in FLAGS.attention_impl or ['auto']:
-        res = profile_shape(name, remat, FLAGS.profile_steps, impl)
-        results.append(res)
-        _print(res)
+        for chunk in [int(c) for c in FLAGS.loss_chunk] or [None]:
+          res = profile_shape(name, remat, FLAGS.profile_steps, impl, chunk)
+          results.append(res)
+          _print(res)
   out = FLAGS.out if FLAGS.out != FLAGS['out'].default else 'runs/profile_train.json'
   bench_util.write_json(out, dict(
       command=" ".join(sys.argv), cpu=bench_util.cpu_description(),
