@@ -117,6 +117,7 @@ class DepthConfig:
   backprop_depth: int = 0  # 0: backprop through every loop; k: only the last k
   remat: bool = True
   remat_policy: RematPolicy = RematPolicy.NOTHING  # what remat keeps (see RematPolicy)
+  unroll: int = 1  # loops per iteration of the training scan (lax.scan unroll; same result)
 
 
 @dataclasses.dataclass
@@ -270,7 +271,8 @@ RANGES = {
                   max_len=AT_LEAST_1, rope_theta=POSITIVE, init_std=POSITIVE,
                   state_std=NON_NEGATIVE, norm_eps=POSITIVE, embed_scale=POSITIVE),
     'depth': dict(mean=AT_LEAST_1, sigma=NON_NEGATIVE, r_max=AT_LEAST_1,
-                  buckets=AT_LEAST_1, backprop_depth=NON_NEGATIVE),
+                  buckets=AT_LEAST_1, backprop_depth=NON_NEGATIVE,
+                  unroll=AT_LEAST_1),
     'data': dict(val_fraction=OPEN_UNIT, max_docs=NON_NEGATIVE, seed=NON_NEGATIVE,
                  synth_examples=AT_LEAST_1, synth_max_hops=AT_LEAST_1,
                  synth_num_vars=AT_LEAST_1, synth_num_ops=AT_LEAST_1,

@@ -424,7 +424,7 @@ def bucketed(bucket_idx: jax.Array, depth: DepthConfig) -> LoopFn:
   return lambda m, s0, e, pos: (recurrence.bucketed_depth(
       m.step_fn(e, pos), s0, bucket_idx, depth.buckets,
       backprop_depth=depth.backprop_depth, remat=depth.remat,
-      policy=REMAT_POLICIES[RematPolicy(depth.remat_policy)]), None)
+      policy=REMAT_POLICIES[RematPolicy(depth.remat_policy)], unroll=depth.unroll), None)
 
 
 def dynamic(n: jax.Array) -> LoopFn:

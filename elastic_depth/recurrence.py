@@ -22,12 +22,12 @@ from jax import lax
 
 
 def fixed_depth(step_fn: Callable, s: Any, n: int, *, remat: bool = True,
-                policy: Callable | None = None) -> Any:
+                policy: Callable | None = None, unroll: int = 1) -> Any:
   """Applies step_fn n times (static n) with a lax.scan; remat (with a jax policy) on the step."""
   if n == 0:
     return s
   body = jax.checkpoint(step_fn, policy=policy) if remat else step_fn
-  s, _ = lax.scan(lambda c, _: (body(c), None), s, None, length=n)
+  s, _ = lax.scan(lambda c, _: (body(c), None), s, None, length=n, unroll=min(unroll, n))
   return s
 
 
@@ -38,7 +38,8 @@ def dynamic_depth(step_fn: Callable, s: Any, n: jax.Array) -> Any:
 
 def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
                    buckets: Sequence[int], *, backprop_depth: int = 0,
-                   remat: bool = True, policy: Callable | None = None) -> Any:
+                   remat: bool = True, policy: Callable | None = None,
+                   unroll: int = 1) -> Any:
   """Runs buckets[bucket_idx] loops: one lax.switch branch per bucket, each a fixed scan.
 
   Args:
@@ -50,6 +51,7 @@ def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
     remat: jax.checkpoint each step (much less memory, and faster on CPU).
     policy: what remat keeps for the backward pass (a jax.checkpoint_policies entry;
       None: nothing, every step is recomputed).
+    unroll: loops per scan iteration (lax.scan's unroll; the result is the same).
   Returns:
     The state after buckets[bucket_idx] steps.
   """
@@ -58,8 +60,9 @@ def bucketed_depth(step_fn: Callable, s: Any, bucket_idx: jax.Array,
 
     def run(s):
       if b > k:
-        s = lax.stop_gradient(fixed_depth(step_fn, s, b - k, remat=remat, policy=policy))
-      return fixed_depth(step_fn, s, k, remat=remat, policy=policy)
+        s = lax.stop_gradient(fixed_depth(step_fn, s, b - k, remat=remat, policy=policy,
+                                          unroll=unroll))
+      return fixed_depth(step_fn, s, k, remat=remat, policy=policy, unroll=unroll)
     return run
 
   branches = [branch(b) for b in buckets]

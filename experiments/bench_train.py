@@ -2,6 +2,7 @@
 
 Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=...]
   [--remat=nothing,dots,all_dots,off] [--loss_chunk=0,512] [--attention_impl=auto,xla,cudnn]
+  [--micro_batch=ROWS] [--unroll=LOOPS]
   [--reference_dir=DIR --rounds=N]
 
 Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
@@ -82,6 +83,8 @@ flags.DEFINE_list('attention_impl', [], 'model.attention_impl values to time per
                   '(default: auto).')
 flags.DEFINE_integer('micro_batch', 0, 'Override the micro-batch rows (train.batch_size) of '
                      'every shape, tokens per step kept (0: the shape\'s).')
+flags.DEFINE_integer('unroll', 1, 'depth.unroll: core loops per iteration of the training '
+                     'scan (same result; 1: rolled).')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
 flags.DEFINE_string('tiny_flags', os.path.join(REPO, 'launch', 'tiny.flags'),
                     'Flag file the `tiny` shape is parsed from.')
@@ -148,6 +151,7 @@ def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | No
       **model_kw, 'dtype': dtype, 'attention_impl': config_lib.AttentionImpl(attention_impl)})
   depth = config_lib.DepthConfig(
       mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
+      unroll=FLAGS.unroll,
       remat_policy=config_lib.RematPolicy.NOTHING if remat == 'off' else remat)
   chunk = sh.loss_chunk if loss_chunk is None else loss_chunk
   if FLAGS.micro_batch:
@@ -247,6 +251,7 @@ class OurStep:
     res = dict(
         shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
         loss_chunk=cfg.train.loss_chunk, attention_impl=str(cfg.model.attention_impl.value),
+        unroll=cfg.depth.unroll,
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
         config=train_lib.config_dict(cfg), compile_s=self.compile_s,
@@ -328,6 +333,8 @@ def check_flags() -> None:
   if FLAGS.micro_batch < 0 or (FLAGS.micro_batch and FLAGS.reference_dir):
     flags_util.fail(f'--micro_batch={FLAGS.micro_batch} must be >= 0, and 0 beside '
                     '--reference_dir (the reference runs the shape\'s own batch)')
+  if FLAGS.unroll < 1:
+    flags_util.fail(f'--unroll={FLAGS.unroll} must be >= 1')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
     flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
   if FLAGS.reference_dir:
@@ -373,7 +380,8 @@ def _print_table(doc: dict) -> None:
   notes = set()
   for res in doc['results']:
     remat = (res['remat'] + (f'/c{res["loss_chunk"]}' if res['loss_chunk'] else '')
-             + ('' if res['attention_impl'] == 'auto' else f'/{res["attention_impl"]}'))
+             + ('' if res['attention_impl'] == 'auto' else f'/{res["attention_impl"]}')
+             + (f'/u{res["unroll"]}' if res.get('unroll', 1) > 1 else ''))
     line = (f'{res["shape"]:6} {remat:>13} {res["tokens_per_step"]:>8} ')
     temp = f'{res.get("temp_bytes", float("nan")) / 1e6:>8.0f}'
     if not res['timed']:

@@ -4,7 +4,7 @@ Usage: python -m experiments.profile_train --shapes=S [--remat=nothing] [--profi
   [--out=runs/profile_train.json]
 
 Builds the same step as `bench_train` (its flags: --shapes, --remat, --depth, --dtype,
---loss_chunk, --attention_impl, --micro_batch),
+--loss_chunk, --attention_impl, --micro_batch, --unroll),
 runs one untimed step, traces --profile_steps steps with `jax.profiler`, and sums the
 XLA:CPU op events (on every thread) by
   region: the core loops (inside the depth scan), outside them (embedding, prelude, coda,
@@ -179,7 +179,7 @@ def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto
   summary = {axis: _sum_by(by, i) for i, axis in enumerate(('region', 'pass', 'part', 'kind'))}
   out = dict(shape=name, remat=remat, attention_impl=attention_impl,
              loss_chunk=ours.cfg.train.loss_chunk, batch_size=ours.cfg.train.batch_size,
-             grad_accum=ours.accum, steps=steps, wall_s=wall,
+             grad_accum=ours.accum, unroll=ours.cfg.depth.unroll, steps=steps, wall_s=wall,
              op_s=total, unmatched_s=unmatched / 1e9 / steps, summary=summary,
              detail=dict(sorted(by.items(), key=lambda kv: -kv[1])))
   if kernels is not None:  # GPU: the kernels by family and by name, and the trace's lines

@@ -67,7 +67,8 @@ def test_bench_train_writes_positive_numbers(tmp_path):
     ('--reference_dir=/nonexistent', 'holds no recpre/raven_modeling_minimal.py'),
     ('--remat=some', "--remat: unknown choices ['some']"),
     ('--loss_chunk=-1', '--loss_chunk'),
-    ('--micro_batch=-2', '--micro_batch=-2 must be >= 0')])
+    ('--micro_batch=-2', '--micro_batch=-2 must be >= 0'),
+    ('--unroll=0', '--unroll=0 must be >= 1')])
 def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
   proc = subprocess.run([sys.executable, '-m', 'experiments.bench_train', '--shapes=nano',
                          flag], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -80,12 +81,13 @@ def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
 def test_profile_train_attributes_the_step_time(tmp_path):
   out = tmp_path / 'profile.json'
   proc = subprocess.run([sys.executable, '-m', 'experiments.profile_train', '--shapes=nano',
-                         '--profile_steps=1', '--micro_batch=1', '--loss_chunk=5',
+                         '--profile_steps=1', '--micro_batch=1', '--loss_chunk=5', '--unroll=2',
                          f'--out={out}'], cwd=REPO, capture_output=True,
                         text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   [res] = json.loads(out.read_text())['results']
   assert (res['batch_size'], res['loss_chunk']) == (1, 5)  # nano's rows are 2: overridden
+  assert res['unroll'] == 2
   assert res['op_s'] > 0 and res['wall_s'] > 0
   for axis, parts in res['summary'].items():  # every axis partitions the same op time
     assert sum(parts.values()) == pytest.approx(res['op_s'], rel=1e-6), axis

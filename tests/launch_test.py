@@ -101,8 +101,8 @@ def test_device_check_script_runs_real_mains_with_valid_flags(tmp_path):
   cmds = [shlex.split(l) for l in out.stdout.splitlines()]
   cmds = [c[1 + sum('=' in a for a in c[1:3]):] if c[0] == 'env' else c for c in cmds]
   assert [c[2] for c in cmds] == [
-      'experiments.bench_train', 'experiments.bench_train', 'experiments.profile_train',
-      'pytest', 'experiments.bench_exit']
+      'experiments.bench_train', 'experiments.bench_train', 'experiments.bench_train',
+      'experiments.bench_train', 'experiments.profile_train', 'pytest', 'experiments.bench_exit']
   assert all(c[:2] == ['python3', '-m'] for c in cmds)
   assert any('--shapes=135m' in c for c in cmds)  # issue 13's GPU step
   for c in cmds:

@@ -231,17 +231,18 @@ def test_auto_attention_picks_cudnn_only_where_it_applies(backend, dtype, head_d
 
 
 @pytest.mark.skipif(jax.default_backend() != 'gpu', reason='cuDNN attention needs a GPU')
-def test_cudnn_attention_matches_chunked_in_bf16():
-  """AUTO's GPU choice (cuDNN, GQA 9/3 heads) against the chunked attention, fwd and grad."""
+def test_cudnn_attention_matches_xla_in_bf16():
+  """AUTO's GPU choice (cuDNN, GQA 9/3 heads) against XLA's attention, fwd and grad (the
+  chunked attention's gradient compiled for over 30 s on an H200)."""
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 256, h, 64)), jnp.bfloat16) for h in (9, 3, 3))
   outs = {}
-  for impl in ('cudnn', 'chunked'):
+  for impl in ('cudnn', 'xla'):
     f = model_lib.attention_fn(impl)
     loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))
     outs[impl] = (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-  np.testing.assert_allclose(f64(outs['cudnn'][0]), f64(outs['chunked'][0]), atol=3e-2)
-  for a, b in zip(outs['cudnn'][1], outs['chunked'][1]):
+  np.testing.assert_allclose(f64(outs['cudnn'][0]), f64(outs['xla'][0]), atol=3e-2)
+  for a, b in zip(outs['cudnn'][1], outs['xla'][1]):
     np.testing.assert_allclose(f64(a), f64(b), atol=6e-2)
 
 

@@ -125,6 +125,20 @@ def test_bucketed_depth_compiles_once_for_every_bucket(core, bucketed_vg):
   assert f._cache_size() == 1  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize('remat', [True, False])
+def test_scan_unroll_equals_the_rolled_scan(core, unrolled_vg, remat):
+  """depth.unroll: 2 loops per scan iteration (5 loops: a remainder) give the same value
+  and gradient as the Python loop."""
+  _, params, loss_of = core
+  f = jax.jit(lambda p, i: jax.value_and_grad(loss_of)(p, lambda st, s0: (
+      recurrence.bucketed_depth(st, s0, i, (2, 5), remat=remat, unroll=2))))
+  for idx, n in enumerate((2, 5)):
+    val, grad = f(params, jnp.int32(idx))
+    want_val, want_grad = unrolled_vg(params, n, 0)
+    np.testing.assert_allclose(float(val), float(want_val), rtol=1e-5)
+    assert_tree_close(grad, want_grad)
+
+
 def test_single_bucket_skips_switch(core, unrolled_vg):
   _, params, loss_of = core
   f = jax.jit(lambda p, i: loss_of(p, lambda st, s0: recurrence.bucketed_depth(
