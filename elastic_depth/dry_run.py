@@ -60,7 +60,7 @@ def compiled_memory(cfg: Config, mesh) -> dict:
   return {'compile_s': time.perf_counter() - t0, **memory_of(compiled)}
 
 
-def plan(cfg: Config, mfu: float = 0.45) -> dict:
+def plan(cfg: Config, mfu: float = 0.30) -> dict:
   """Parameters, FLOPs, tokens and the run time on named accelerators at `mfu`."""
   t = cfg.train
   tokens_step = grad_accum_steps(t) * t.batch_size * t.seq_len
@@ -74,7 +74,7 @@ def plan(cfg: Config, mfu: float = 0.45) -> dict:
           'hours_one_device': hours}
 
 
-def run(cfg: Config, workdir: str, *, resume: bool = False, mfu: float = 0.45,
+def run(cfg: Config, workdir: str, *, resume: bool = False, mfu: float = 0.30,
         remat_choices: tuple[bool, ...] = (True, False)) -> dict:
   """Preflight checks, then the plan and the compiled memory for each remat choice."""
   train.preflight(cfg, workdir, resume)

@@ -262,7 +262,7 @@ def main(argv):
     runs[name] = bench(name, mdl, _DEPTH.value, toks, _EPS.value, _FAKE.value)
     runs[name]['parts_ms'] = parts(mdl, toks, _REPEATS.value)
     print(f'  parts (ms): {runs[name]["parts_ms"]}', flush=True)
-  out = dict(backend=jax.default_backend(), machine=bench_util.cpu_description(),
+  out = dict(backend=jax.default_backend(), machine=bench_util.machine_description(),
              cpu_count=os.cpu_count(), loadavg=os.getloadavg(),
              glibc_tunables=bench_util.glibc_tunables(),
              date=time.strftime('%Y-%m-%d %H:%M'), runs=runs)

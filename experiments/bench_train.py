@@ -29,8 +29,9 @@ after ours, never at once (`experiments/bench_reference.py`); --rounds alternate
 two. Without it, the ratio is against experiments/reference_figures.json, recorded on
 another machine and labelled so.
 
-`135m` is the real step of launch/135m.flags (bf16, 16 x 2048, 8 micro-batches): on a
-CPU it is only compiled (FLOPs and memory reported, `timed: false`).
+`135m` is the real step of launch/135m.flags (bf16, 16 x 2048, 8 micro-batches, head + loss
+fused in chunks of 4,096): on a CPU it is only compiled (FLOPs and memory reported,
+`timed: false`).
 
 The machine may be shared: the JSON records the load average, the busiest other
 processes and each step's process CPU time; only ratios measured within one run are
@@ -131,9 +132,10 @@ SHAPES = {
     # P with 9 kv heads: the reference's config has no GQA, so this is P at its FLOPs
     'Pmha': dataclasses.replace(_shape('P', 512, 2, 8, max_steps=3), model=dict(
         bench_util.MODEL_SHAPES['P'], num_kv_heads=9, max_len=512)),
-    # the real 135M step of launch/135m.flags: bf16, 16 x 2048, 8 micro-batches per step
+    # the real 135M step of launch/135m.flags: bf16, 16 x 2048, 8 micro-batches per step,
+    # head + loss fused in chunks of 4,096 tokens (135m_h200.flags: --remat=off --unroll=8)
     '135m': _shape('P', 2048, 16, 8, max_steps=3, dtype='bfloat16', timed_on_cpu=False,
-                   train=dict(tokens_per_step=262144)),
+                   loss_chunk=4096, train=dict(tokens_per_step=262144)),
     'nano': _shape('nano', 16, 2, 2),  # a few-second shape for the smoke test
 }
 

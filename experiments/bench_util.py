@@ -40,6 +40,14 @@ def cpu_description() -> str:
   return f'{name} ({", ".join(isa) or "no AVX2"})'
 
 
+def machine_description() -> str:
+  """The accelerator that ran the work (device kind), or the CPU's description."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == 'cpu':
+    return cpu_description()
+  return f'{jax.devices()[0].device_kind} (host: {cpu_description()})'
+
+
 def minor_faults() -> int:
   """Minor page faults of this process so far (per-step deltas show buffers mapped afresh)."""
   try:

@@ -233,7 +233,7 @@ def test_auto_attention_picks_cudnn_only_where_it_applies(backend, dtype, head_d
 @pytest.mark.skipif(jax.default_backend() != 'gpu', reason='cuDNN attention needs a GPU')
 def test_cudnn_attention_matches_xla_in_bf16():
   """AUTO's GPU choice (cuDNN, GQA 9/3 heads) against XLA's attention, fwd and grad (the
-  chunked attention's gradient compiled for over 30 s on an H200)."""
+  chunked attention's gradient did not finish within 30 s on an H200)."""
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 256, h, 64)), jnp.bfloat16) for h in (9, 3, 3))
   outs = {}
@@ -242,8 +242,8 @@ def test_cudnn_attention_matches_xla_in_bf16():
     loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)))
     outs[impl] = (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
   np.testing.assert_allclose(f64(outs['cudnn'][0]), f64(outs['xla'][0]), atol=3e-2)
-  for a, b in zip(outs['cudnn'][1], outs['xla'][1]):
-    np.testing.assert_allclose(f64(a), f64(b), atol=6e-2)
+  for a, b in zip(outs['cudnn'][1], outs['xla'][1]):  # bf16 gradients up to ~17: 2 ulps
+    np.testing.assert_allclose(f64(a), f64(b), rtol=2 ** -6, atol=6e-2)
 
 
 def test_attention_explicit_causal_mask_via_kv_fn(model_cfg):
