@@ -2,7 +2,7 @@
 
 Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=...]
   [--remat=nothing,dots,all_dots,off] [--loss_chunk=0,512] [--attention_impl=auto,xla,cudnn]
-  [--micro_batch=ROWS] [--unroll=LOOPS]
+  [--micro_batch=ROWS] [--unroll=1,8]
   [--reference_dir=DIR --rounds=N]
 
 Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
@@ -84,8 +84,8 @@ flags.DEFINE_list('attention_impl', [], 'model.attention_impl values to time per
                   '(default: auto).')
 flags.DEFINE_integer('micro_batch', 0, 'Override the micro-batch rows (train.batch_size) of '
                      'every shape, tokens per step kept (0: the shape\'s).')
-flags.DEFINE_integer('unroll', 1, 'depth.unroll: core loops per iteration of the training '
-                     'scan (same result; 1: rolled).')
+flags.DEFINE_list('unroll', [], 'depth.unroll values to time per shape and remat choice: '
+                  'core loops per iteration of the training scan (same result; default 1).')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
 flags.DEFINE_string('tiny_flags', os.path.join(REPO, 'launch', 'tiny.flags'),
                     'Flag file the `tiny` shape is parsed from.')
@@ -141,7 +141,7 @@ SHAPES = {
 
 
 def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | None = None,
-                 attention_impl: str = 'auto') -> config_lib.Config:
+                 attention_impl: str = 'auto', unroll: int = 1) -> config_lib.Config:
   """The Config of a shape at fixed depth r (a single bucket: the switch has one branch)."""
   sh = SHAPES[name]
   model_kw, train_kw = sh.model, sh.train
@@ -153,7 +153,7 @@ def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | No
       **model_kw, 'dtype': dtype, 'attention_impl': config_lib.AttentionImpl(attention_impl)})
   depth = config_lib.DepthConfig(
       mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
-      unroll=FLAGS.unroll,
+      unroll=unroll,
       remat_policy=config_lib.RematPolicy.NOTHING if remat == 'off' else remat)
   chunk = sh.loss_chunk if loss_chunk is None else loss_chunk
   if FLAGS.micro_batch:
@@ -193,9 +193,9 @@ class OurStep:
   """The library's train step of one shape and remat choice, compiled; times steps on demand."""
 
   def __init__(self, name: str, r: int, dtype: str, remat: str, timed: bool,
-               loss_chunk: int | None = None, attention_impl: str = 'auto'):
+               loss_chunk: int | None = None, attention_impl: str = 'auto', unroll: int = 1):
     self.name, self.r, self.remat = name, r, remat
-    self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk, attention_impl)
+    self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk, attention_impl, unroll)
     self.accum = config_lib.grad_accum_steps(cfg.train)
     self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
     mesh = distributed.make_mesh(jax.devices()[:1])
@@ -285,8 +285,9 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
   r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
   timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
   chunks = [int(c) for c in FLAGS.loss_chunk] or [sh.loss_chunk]
-  ours = [OurStep(name, r, dtype, c, timed, n, a) for c in (FLAGS.remat or [sh.remat])
-          for n in chunks for a in (FLAGS.attention_impl or ['auto'])]
+  ours = [OurStep(name, r, dtype, c, timed, n, a, int(u)) for c in (FLAGS.remat or [sh.remat])
+          for n in chunks for a in (FLAGS.attention_impl or ['auto'])
+          for u in (FLAGS.unroll or [1])]
   ref = None
   if FLAGS.reference_dir and name in REFERENCE_SHAPES:
     ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[
@@ -335,8 +336,8 @@ def check_flags() -> None:
   if FLAGS.micro_batch < 0 or (FLAGS.micro_batch and FLAGS.reference_dir):
     flags_util.fail(f'--micro_batch={FLAGS.micro_batch} must be >= 0, and 0 beside '
                     '--reference_dir (the reference runs the shape\'s own batch)')
-  if FLAGS.unroll < 1:
-    flags_util.fail(f'--unroll={FLAGS.unroll} must be >= 1')
+  if not all(u.isdigit() and int(u) >= 1 for u in FLAGS.unroll):
+    flags_util.fail(f'--unroll: {FLAGS.unroll} must be integers >= 1')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
     flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
   if FLAGS.reference_dir:
@@ -419,7 +420,7 @@ def main(argv):
     for res in bench_shape(name, steps, FLAGS.warmup, FLAGS.rounds):
       results.append(res)
       print(f'{name} remat={res["remat"]} loss_chunk={res["loss_chunk"]} '
-            f'attention={res["attention_impl"]}: ' + (
+            f'attention={res["attention_impl"]} unroll={res["unroll"]}: ' + (
           f'{res["tokens_per_s"]:,.1f} tok/s (median of {len(res["step_times_s"])})'
           if res['timed'] else 'compiled only') + f', compile {res["compile_s"]:.1f}s'
           + (f'; reference {res["reference"]["tokens_per_s"]:,.1f} tok/s'

@@ -152,11 +152,11 @@ def op_times(trace_dir: str) -> collections.Counter:
 
 
 def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto',
-                  loss_chunk: int | None = None) -> dict:
+                  loss_chunk: int | None = None, unroll: int = 1) -> dict:
   """Traces `steps` steps of one shape and returns the time breakdown (seconds per step)."""
   sh = bench_train.SHAPES[name]
   ours = bench_train.OurStep(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat, True,
-                             loss_chunk, attention_impl)
+                             loss_chunk, attention_impl, unroll)
   ours.run(0, warmup=1)
   ops = hlo_ops(ours.compiled.as_text())
   with tempfile.TemporaryDirectory() as d:
@@ -224,9 +224,10 @@ def main(argv):
     for remat in FLAGS.remat or [bench_train.SHAPES[name].remat]:
       for impl in FLAGS.attention_impl or ['auto']:
         for chunk in [int(c) for c in FLAGS.loss_chunk] or [None]:
-          res = profile_shape(name, remat, FLAGS.profile_steps, impl, chunk)
-          results.append(res)
-          _print(res)
+          for unroll in [int(u) for u in FLAGS.unroll] or [1]:
+            res = profile_shape(name, remat, FLAGS.profile_steps, impl, chunk, unroll)
+            results.append(res)
+            _print(res)
   out = FLAGS.out if FLAGS.out != FLAGS['out'].default else 'runs/profile_train.json'
   bench_util.write_json(out, dict(
       command=" ".join(sys.argv), cpu=bench_util.cpu_description(),

@@ -68,7 +68,7 @@ def test_bench_train_writes_positive_numbers(tmp_path):
     ('--remat=some', "--remat: unknown choices ['some']"),
     ('--loss_chunk=-1', '--loss_chunk'),
     ('--micro_batch=-2', '--micro_batch=-2 must be >= 0'),
-    ('--unroll=0', '--unroll=0 must be >= 1')])
+    ('--unroll=0', "--unroll: ['0'] must be integers >= 1")])
 def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
   proc = subprocess.run([sys.executable, '-m', 'experiments.bench_train', '--shapes=nano',
                          flag], cwd=REPO, capture_output=True, text=True, timeout=120,
