@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import model as model_lib
+from elastic_depth import attention as attention_lib
 
 
 def pow2_capacities(b: int) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Calla
 
 def compact_keys(c: int, l: int) -> float:
   """Mean keys per query that `compact_attention` multiplies for a C-slot buffer over L."""
-  n = model_lib.attention_chunks(c, min_chunk=16)
+  n = attention_lib.attention_chunks(c, min_chunk=16)
   return l - c + (c // n) * (n + 1) / 2
 
 
@@ -85,13 +85,13 @@ def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> ja
     qpos_BxC, kpos_BxL: positions of the queries and keys (increasing along L): a query
       sees the keys at positions <= its own.
   Returns:
-    o_BxCxHxK (`model.grouped_attention`: fp32 scores, the query heads of a kv head
+    o_BxCxHxK (`attention.grouped_attention`: fp32 scores, the query heads of a kv head
     stacked); the queries of chunk i only meet the keys before L - C + (i + 1) C / n:
     fewer keys for the early slots.
   """
   c, l = q_BxCxHxK.shape[1], k_BxGxLxK.shape[2]
-  n = model_lib.attention_chunks(c, min_chunk=16)
+  n = attention_lib.attention_chunks(c, min_chunk=16)
   w = c // n
   see = lambda i, end: kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
-  return model_lib.grouped_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, n,
+  return attention_lib.grouped_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, n,
                                      lambda i: l - c + (i + 1) * w, see)

@@ -44,8 +44,8 @@ class AttentionIn(str, enum.Enum):
 class AttentionImpl(str, enum.Enum):
   """How full-sequence causal attention (training, scoring without hooks) is computed."""
   AUTO = 'auto'        # chunked on CPU; cuDNN flash attention on a GPU for bf16/fp16
-                       # heads it takes, else XLA (model.auto_attention_impl)
-  CHUNKED = 'chunked'  # model.causal_attention: kv-group-major, causal query chunks
+                       # heads it takes, else XLA (attention.auto_attention_impl)
+  CHUNKED = 'chunked'  # attention.causal_attention: kv-group-major, causal query chunks
   XLA = 'xla'          # jax.nn.dot_product_attention(implementation='xla')
   CUDNN = 'cudnn'      # jax.nn.dot_product_attention(implementation='cudnn'), GPU only
 

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import inference, losses, policies, recurrence
+from elastic_depth.attention import grouped_attention
 from elastic_depth.config import ExitConfig, ExitPolicy
-from elastic_depth.model import LoopedLM, grouped_attention
+from elastic_depth.model import LoopedLM
 
 
 class Cache(NamedTuple):

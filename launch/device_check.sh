@@ -59,7 +59,7 @@ step bench_train_135m_u8 90 $T135 --remat=off --unroll=8 --out="$OUT/bench_train
 step profile_135m 75 python3 -m experiments.profile_train --shapes=135m --profile_steps=1 \
   --remat=nothing --loss_chunk=4096 --out="$OUT/profile_135m.json"
 step cudnn 60 python3 -m pytest -v -p no:cacheprovider --timeout=50 -rfE --tb=short \
-  tests/model_test.py::test_cudnn_attention_matches_xla_in_bf16
+  tests/attention_test.py::test_cudnn_attention_matches_xla_in_bf16
 step bench_exit_P 140 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m \
   experiments.bench_exit --shapes=P --policy=state_delta --compact_steps=4 --repeats=3 \
   --out="$OUT/bench_exit_P.json"
