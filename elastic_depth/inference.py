@@ -24,7 +24,7 @@ class ScoreResult(NamedTuple):
   depth: jax.Array    # [B, L] loops per token
   traces: Any         # dict of [R, B, L] per-loop stats (empty unless trace)
   kv: Any             # per core block (k, v) offered at the end
-  e: jax.Array        # the injection [B, L, D] (model.inject of the prelude output)
+  inj: jax.Array      # the injection [B, L, D] (model.inject of the prelude output)
   state: jax.Array    # final state [B, L, D]
   prelude_kv: Any     # per prelude block (k, v)
   coda_kv: Any        # per coda block (k, v) of the final readout
@@ -90,7 +90,7 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
   out = model.forward(tokens_BxL, rng, engine(cfg, router=router, targets_BxL=targets_BxL,
                                               trace=trace, exit_mask_BxL=exit_mask_BxL))
   res = out.aux
-  return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.e, out.state,
+  return ScoreResult(out.logits, res.depth, res.traces, res.kv, out.inj, out.state,
                      out.prelude_kv, out.coda_kv, res.counts)
 
 
@@ -163,7 +163,7 @@ class _Buffer(NamedTuple):
   idx: jax.Array      # [B, C] (padding slots: L)
   s: jax.Array        # full states at the phase's start [B, L, D]
   pos: jax.Array      # [B, C]
-  e: jax.Array        # [B, C, D]
+  inj: jax.Array      # [B, C, D] the slots' injections
   rot: Any            # RoPE tables of the slots
 
 
@@ -224,7 +224,7 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
     def step(live, s_c, carry, i):
       kv, coda_kv, chk, n_coda, n_head = carry
       put_idx = jnp.where(live, idx, l)  # exited slots write nothing
-      s_new, kv = model.core_step(s_c, buf.e, buf.pos,
+      s_new, kv = model.core_step(s_c, buf.inj, buf.pos,
                                   [_scatter_kv(x, put_idx, pos, buf.pos) for x in kv], rot=buf.rot)
       s_new = jnp.where(live[..., None], s_new, s_c)
       h_new, coda_kv = _compact_readout(model, buf, put_idx, s_new, pos, coda_kv, compact_coda,

@@ -283,7 +283,7 @@ class Forward(NamedTuple):
   logits: jax.Array   # [B, L, V] fp32
   state: jax.Array    # final recurrent state [B, L, D]
   aux: Any            # what the loop policy returned beside the state
-  e: jax.Array        # the injection [B, L, D]: inject(prelude output), added every loop
+  inj: jax.Array      # the injection [B, L, D]: inject(prelude output), added every loop
   prelude_kv: Any     # per prelude block (k, v)
   coda_kv: Any        # per coda block (k, v) of the final readout
   hidden: Any = None  # [B, L, D] the final norm's output, which the head reads

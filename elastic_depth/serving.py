@@ -65,7 +65,7 @@ class State(NamedTuple):
   """The while_loop carry: the cache and each row's in-flight token."""
   cache: decoding.Cache
   s: jax.Array             # [B, 1, D] state of the in-flight token
-  e: jax.Array             # [B, 1, D] its injection (model.inject of its prelude output)
+  inj: jax.Array           # [B, 1, D] its injection (model.inject of its prelude output)
   pos: jax.Array           # [B] its position
   loop: jax.Array          # [B] loops it has run
   n: jax.Array             # [B] tokens exited so far (generated and decoded)
@@ -126,7 +126,7 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
                for ck, f in zip(st.cache.prelude, fresh)]
     return st._replace(cache=st.cache._replace(prelude=prelude),
                        s=rows.put(st.s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
-                       e=rows.put(st.e, model.inject(e_C)), pos=rows.put(st.pos, pos_C),
+                       inj=rows.put(st.inj, model.inject(e_C)), pos=rows.put(st.pos, pos_C),
                        loop=rows.put(st.loop, jnp.zeros_like(pos_C)),
                        run=rows.put(st.run, jnp.zeros_like(pos_C)),
                        tokens=st.tokens.at[rows.idx, pos_C].set(tok_C, mode='drop'))
@@ -213,7 +213,7 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   n_new = st.depth.shape[1]
   act = st.n < n_new
   i = st.loop + act.astype(jnp.int32)
-  s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.e, st.pos[:, None], f),
+  s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.inj, st.pos[:, None], f),
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
@@ -277,7 +277,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
                          fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
   init = decoding.initial_states(model, rng, p + n_new)  # drawn once per position
-  st = State(cache, res.state[:, :1], res.e[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
+  st = State(cache, res.state[:, :1], res.inj[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
              jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
              jnp.zeros((b, n_new), jnp.int32), init,
