@@ -165,7 +165,7 @@ def wait(mngr: ocp.CheckpointManager) -> None:
 
 
 # Model fields that choose how the same weights are computed, not what they mean.
-COMPUTE_FIELDS = ('dtype', 'attention_impl')
+COMPUTE_FIELDS = ('dtype', 'attention_impl', 'fuse_projections')
 
 
 def check_model_config(saved: dict, cfg: ModelConfig, where: str) -> None:

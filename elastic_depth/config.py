@@ -92,6 +92,7 @@ class ModelConfig:
   init_state: InitState = InitState.RANDOM
   attention: AttentionIn = AttentionIn.ALL  # all | core (MLP-only prelude and coda)
   attention_impl: AttentionImpl = AttentionImpl.AUTO  # see AttentionImpl
+  fuse_projections: bool = False  # q/k/v and gate/up each as one matmul (same parameters)
   init_std: float = 0.02
   state_std: float = 1.0  # std of the random initial state (before truncation)
   norm_eps: float = 1e-6

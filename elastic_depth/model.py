@@ -52,6 +52,17 @@ def dense(x, w, n_in: int = 1, **kw) -> jax.Array:
   return y.reshape(*lead, *w.shape[n_in:])
 
 
+def projections(x, ws: Sequence[jax.Array], fuse: bool) -> list[jax.Array]:
+  """x[..., D] @ each w[D, ...]; with fuse, one matmul over the weights side by side."""
+  if not fuse:
+    return [dense(x, w) for w in ws]
+  y = dense(x, jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=1))
+  sizes = [math.prod(w.shape[1:]) for w in ws]
+  ends = [sum(sizes[:i + 1]) for i in range(len(ws))]
+  return [y[..., e - n:e].reshape(*x.shape[:-1], *w.shape[1:])
+          for w, n, e in zip(ws, sizes, ends)]
+
+
 def _normal(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
   return nnx.Param(std * jax.random.truncated_normal(rngs.params(), -3.0, 3.0, shape,
                                                      jnp.float32))
@@ -88,14 +99,14 @@ class Attention(nnx.Module):
     self.theta = cfg.rope_theta
     self.impl = AttentionImpl(cfg.attention_impl)
     self.dtype = DTYPES[cfg.dtype]
+    self.fuse = cfg.fuse_projections
 
   @jax.named_scope('attention')
   def __call__(self, x_BxLxD, pos_BxL, kv_fn: Optional[KVFn] = None,
                rot: Optional[Rotary] = None):
     dt = self.dtype
-    q = dense(x_BxLxD, self.wq_DxHxK[...].astype(dt))  # BLD,DHK->BLHK
-    k = dense(x_BxLxD, self.wk_DxGxK[...].astype(dt))  # BLD,DGK->BLGK
-    v = dense(x_BxLxD, self.wv_DxGxK[...].astype(dt))
+    q, k, v = projections(x_BxLxD, [w[...].astype(dt) for w in (  # BLD,DHK->BLHK; DGK->BLGK
+        self.wq_DxHxK, self.wk_DxGxK, self.wv_DxGxK)], self.fuse)
     if self.qk_bias:
       q = q + self.q_bias_HxK[...].astype(dt)
       k = k + self.k_bias_GxK[...].astype(dt)
@@ -121,12 +132,13 @@ class MLP(nnx.Module):
     self.w_up_DxF = _normal(rngs, (d, f), cfg.init_std)
     self.w_down_FxD = _normal(rngs, (f, d), cfg.init_std)
     self.dtype = DTYPES[cfg.dtype]
+    self.fuse = cfg.fuse_projections
 
   @jax.named_scope('mlp')
   def __call__(self, x_BxLxD):
     dt = self.dtype
-    gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt))  # BLD,DF->BLF
-    up = dense(x_BxLxD, self.w_up_DxF[...].astype(dt))
+    gate, up = projections(x_BxLxD, [self.w_gate_DxF[...].astype(dt),  # BLD,DF->BLF
+                                      self.w_up_DxF[...].astype(dt)], self.fuse)
     return dense(jax.nn.silu(gate) * up, self.w_down_FxD[...].astype(dt))  # BLF,FD->BLD
 
 

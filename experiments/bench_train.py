@@ -2,7 +2,7 @@
 
 Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=...]
   [--remat=nothing,dots,all_dots,off] [--loss_chunk=0,512] [--attention_impl=auto,xla,cudnn]
-  [--micro_batch=ROWS] [--unroll=1,8]
+  [--micro_batch=ROWS] [--unroll=1,8] [--fuse_projections]
   [--reference_dir=DIR --rounds=N]
 
 Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
@@ -84,6 +84,8 @@ flags.DEFINE_list('attention_impl', [], 'model.attention_impl values to time per
                   '(default: auto).')
 flags.DEFINE_integer('micro_batch', 0, 'Override the micro-batch rows (train.batch_size) of '
                      'every shape, tokens per step kept (0: the shape\'s).')
+flags.DEFINE_bool('fuse_projections', False, 'model.fuse_projections: q/k/v and gate/up as '
+                  'one matmul each (same parameters and result).')
 flags.DEFINE_list('unroll', [], 'depth.unroll values to time per shape and remat choice: '
                   'core loops per iteration of the training scan (same result; default 1).')
 flags.DEFINE_integer('peak_n', 2048, 'Side of the square fp32 matmul for the peak.')
@@ -150,7 +152,8 @@ def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | No
     model_kw = dataclasses.asdict(parsed.model)
     train_kw = {k: getattr(parsed.train, k) for k in ('seq_len', 'batch_size')}
   model = dataclasses.replace(config_lib.ModelConfig(), **{
-      **model_kw, 'dtype': dtype, 'attention_impl': config_lib.AttentionImpl(attention_impl)})
+      **model_kw, 'dtype': dtype, 'attention_impl': config_lib.AttentionImpl(attention_impl),
+      'fuse_projections': FLAGS.fuse_projections})
   depth = config_lib.DepthConfig(
       mean=float(r), sigma=0.0, r_max=r, buckets=(r,), remat=remat != 'off',
       unroll=unroll,
@@ -253,7 +256,7 @@ class OurStep:
     res = dict(
         shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
         loss_chunk=cfg.train.loss_chunk, attention_impl=str(cfg.model.attention_impl.value),
-        unroll=cfg.depth.unroll,
+        unroll=cfg.depth.unroll, fuse_projections=cfg.model.fuse_projections,
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
         config=train_lib.config_dict(cfg), compile_s=self.compile_s,
@@ -384,7 +387,8 @@ def _print_table(doc: dict) -> None:
   for res in doc['results']:
     remat = (res['remat'] + (f'/c{res["loss_chunk"]}' if res['loss_chunk'] else '')
              + ('' if res['attention_impl'] == 'auto' else f'/{res["attention_impl"]}')
-             + (f'/u{res["unroll"]}' if res.get('unroll', 1) > 1 else ''))
+             + (f'/u{res["unroll"]}' if res.get('unroll', 1) > 1 else '')
+             + ('/fused' if res.get('fuse_projections') else ''))
     line = (f'{res["shape"]:6} {remat:>13} {res["tokens_per_step"]:>8} ')
     temp = f'{res.get("temp_bytes", float("nan")) / 1e6:>8.0f}'
     if not res['timed']:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 13 and 10 as ONE device call (the session's 15 minutes of device
-# time include the machine's start, ~30 s; the steps' caps sum to 9 min 45 s; STEPS=a,b
+# time include the machine's start, ~30 s; the steps' caps sum to 9 min 40 s; STEPS=a,b
 # runs only those).
 #   bash launch/device_wheels.sh                                  # here, once: .whl/
 #   device run: command="bash launch/device_check.sh", carry=[".whl"], timeout_s=600
@@ -10,18 +10,20 @@
 # without $OUT.
 # Steps (seconds at most), all for the real 135M training step (bf16, 16 x 2048, 8
 # micro-batches, r = 8; tokens/s and MFU against the device's bf16 peak), its head + loss
-# fused in chunks of 4,096 tokens (bf16 backward products): bench_train_135m, remat nothing
-# and off (100); bench_train_135m_dots, remat keeping the matmul outputs (60);
-# bench_train_135m_mb32, 32 x 2048 x 4 micro-batches (60); bench_train_135m_u8, remat off
-# with the 8 loops unrolled in the scan (depth.unroll; the rolled scan stacked residuals,
-# 0.26 s of copies) (90); profile_135m, where the remat-nothing step's GPU time goes, by
-# part and by kernel (75); cudnn, the cuDNN attention test against XLA's attention (60);
-# bench_exit_P, compacted scoring at the 135M blocks, 4 buffer sizes, GEMM autotuning off
-# (with it and 8 sizes the compile did not finish in 100 s) (140).
-# Expected result (H200, 2026-12-04, WORKSPACE.md "The 135M step on an H200"): remat
-# nothing 1.19 s, 220k tok/s, 26.8% MFU (plain head 1.32 s, 24.4%); off 1.40 s, 22.8%;
-# off at 32 rows 1.42 s; issue 13's target 45% not met; bench_exit_P compacted 0.074 s vs
-# A0 0.112 s, realized/FLOP 1.15 (compile 63 s). The KL kernel: experiments/bench_kl.py.
+# fused in chunks of 4,096 tokens: bench_train_135m, launch/135m.flags' step (remat nothing)
+# (50); bench_train_135m_u8, launch/135m_h200.flags' step (remat off, the 8 loops unrolled
+# in the scan) (90); bench_train_135m_fused, the same with q/k/v and gate/up as one matmul
+# each (model.fuse_projections; slower on XLA:CPU, unmeasured on a GPU) (90);
+# bench_train_135m_r32, 135m_h200's step at depth 32 (r_max: its memory) (90);
+# profile_135m, where 135m_h200's step spends its GPU time, by part and kernel (75); cudnn,
+# the cuDNN attention test against XLA's attention (45); bench_exit_P, compacted scoring at
+# the 135M blocks, 4 buffer sizes, GEMM autotuning off (with it and 8 sizes the compile did
+# not finish in 100 s) (140).
+# Expected result (H200, 2026-12-04, WORKSPACE.md "The 135M step on an H200, continued"):
+# remat nothing 1.19 s, 220k tok/s, 26.8% MFU; 135m_h200 0.99 s, 265k, 32.4%, 22.5 GB of
+# temporaries (issue 13's target 45% not met); fused and r = 32 unmeasured; bench_exit_P
+# compacted 0.074 s vs A0 0.112 s, realized/FLOP 1.15 (compile 63 s). Other measured
+# choices (dots, 32-row micro-batches, the rolled no-remat step): WORKSPACE.md.
 # DRY=1 prints the commands instead of running them (what tests/launch_test.py checks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,14 +53,15 @@ if [ -z "${DRY:-}" ]; then
 "optax", optax.__version__); print(jax.devices())'; } > "$OUT/env.txt" 2>&1
 fi
 T135="python3 -m experiments.bench_train --shapes=135m --steps=3 --loss_chunk=4096"
-step bench_train_135m 100 $T135 --remat=nothing,off --out="$OUT/bench_train_135m.json"
-step bench_train_135m_dots 60 $T135 --remat=dots --out="$OUT/bench_train_135m_dots.json"
-step bench_train_135m_mb32 60 $T135 --remat=nothing --micro_batch=32 \
-  --out="$OUT/bench_train_135m_mb32.json"
-step bench_train_135m_u8 90 $T135 --remat=off --unroll=8 --out="$OUT/bench_train_135m_u8.json"
+H200="--remat=off --unroll=8"  # launch/135m_h200.flags
+step bench_train_135m 50 $T135 --remat=nothing --out="$OUT/bench_train_135m.json"
+step bench_train_135m_u8 90 $T135 $H200 --out="$OUT/bench_train_135m_u8.json"
+step bench_train_135m_fused 90 $T135 $H200 --fuse_projections \
+  --out="$OUT/bench_train_135m_fused.json"
+step bench_train_135m_r32 90 $T135 $H200 --depth=32 --out="$OUT/bench_train_135m_r32.json"
 step profile_135m 75 python3 -m experiments.profile_train --shapes=135m --profile_steps=1 \
-  --remat=nothing --loss_chunk=4096 --out="$OUT/profile_135m.json"
-step cudnn 60 python3 -m pytest -v -p no:cacheprovider --timeout=50 -rfE --tb=short \
+  $H200 --loss_chunk=4096 --out="$OUT/profile_135m.json"
+step cudnn 45 python3 -m pytest -v -p no:cacheprovider --timeout=35 -rfE --tb=short \
   tests/attention_test.py::test_cudnn_attention_matches_xla_in_bf16
 step bench_exit_P 140 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m \
   experiments.bench_exit --shapes=P --policy=state_delta --compact_steps=4 --repeats=3 \

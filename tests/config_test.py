@@ -35,6 +35,7 @@ BAD = {
     'depth.r_max': [0, -1],
     'depth.buckets': [(), (0, 32), (-1, 32), (1, 2.5, 32), (2, 1, 32), (1, 1, 32), (1, 8)],
     'depth.backprop_depth': [-1],
+    'depth.unroll': [0, -2, 1.5],
     'data.val_fraction': [0.0, 1.0, -0.1, 1.5, NAN],
     'data.max_docs': [-1],
     'data.seed': [-1],
@@ -78,7 +79,8 @@ BAD = {
 # Boundary values that must still be accepted.
 GOOD = {
     'model.n_prelude': 0, 'model.n_coda': 0, 'model.head_dim': 2, 'model.state_std': 0.0,
-    'depth.mean': 1.0, 'depth.sigma': 0.0, 'depth.backprop_depth': 0, 'data.max_docs': 0,
+    'depth.mean': 1.0, 'depth.sigma': 0.0, 'depth.backprop_depth': 0, 'depth.unroll': 1,
+    'data.max_docs': 0,
     'train.tokens_per_step': 0, 'train.min_lr_ratio': 1.0, 'train.decay_frac': 0.0,
     'train.warmup_steps': 0, 'train.weight_decay': 0.0, 'train.b1': 0.0,
     'train.max_skips': 0, 'exit.eps': 0.0, 'exit.gate': 0.0, 'exit.min_loops': 32,

@@ -103,6 +103,7 @@ def test_device_check_script_runs_real_mains_with_valid_flags(tmp_path):
   assert [c[2] for c in cmds] == [
       'experiments.bench_train', 'experiments.bench_train', 'experiments.bench_train',
       'experiments.bench_train', 'experiments.profile_train', 'pytest', 'experiments.bench_exit']
+  assert any('--fuse_projections' in c for c in cmds)
   assert all(c[:2] == ['python3', '-m'] for c in cmds)
   assert any('--shapes=135m' in c for c in cmds)  # issue 13's GPU step
   for c in cmds:

@@ -167,6 +167,28 @@ def test_attention_matches_numpy_gqa(model_cfg):
   assert np.abs(wrong - want).max() > 1e-2 * np.abs(want).max()
 
 
+def test_fused_projections_give_the_same_model_with_fewer_matmuls(model_cfg):
+  """model.fuse_projections: q/k/v and gate/up as one matmul each, same values and grads."""
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, model_cfg.vocab_size, (2, 9)))
+  out, dots = {}, {}
+  for fuse in (False, True):
+    cfg = dataclasses.replace(model_cfg, fuse_projections=fuse)
+    graphdef, params = nnx.split(model_lib.build_model(cfg, seed=0), nnx.Param)
+    def loss(p):
+      m = nnx.merge(graphdef, p)
+      return jnp.sum(jnp.sin(m.forward(tokens, jax.random.key(0), model_lib.fixed(2)).logits))
+    out[fuse] = jax.value_and_grad(loss)(params)
+    x = jnp.ones((2, 9, cfg.d_model))
+    pos = model_lib.positions(jnp.zeros((2, 9), jnp.int32))
+    mlp, attn = model_lib.MLP(cfg, nnx.Rngs(0)), model_lib.Attention(cfg, nnx.Rngs(0))
+    dots[fuse] = [jax.jit(f).lower().as_text().count('dot_general') for f in (
+        lambda: mlp(x), lambda: attn(x, pos)[0])]
+  np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1])):
+    np.testing.assert_allclose(f64(a), f64(b), rtol=1e-4, atol=1e-5)  # fp32 reassociation
+  assert [u - f for u, f in zip(dots[False], dots[True])] == [1, 2]  # gate+up; q+k+v
+
+
 def test_attention_impls_agree_on_the_model_and_its_gradient(model_cfg):
   """model.attention_impl: auto (chunked on CPU), chunked and xla give one model."""
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, model_cfg.vocab_size, (2, 9)))
