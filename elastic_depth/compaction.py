@@ -94,4 +94,4 @@ def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> ja
   w = c // n
   see = lambda i, end: kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
   return attention_lib.grouped_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, n,
-                                     lambda i: l - c + (i + 1) * w, see)
+                                         lambda i: l - c + (i + 1) * w, see)

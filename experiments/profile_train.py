@@ -4,7 +4,7 @@ Usage: python -m experiments.profile_train --shapes=S [--remat=nothing] [--profi
   [--out=runs/profile_train.json]
 
 Builds the same step as `bench_train` (its flags: --shapes, --remat, --depth, --dtype,
---loss_chunk, --attention_impl, --micro_batch, --unroll),
+--loss_chunk, --attention_impl, --micro_batch, --unroll, --fuse_projections),
 runs one untimed step, traces --profile_steps steps with `jax.profiler`, and sums the
 XLA:CPU op events (on every thread) by
   region: the core loops (inside the depth scan), outside them (embedding, prelude, coda,
