@@ -53,6 +53,16 @@ def test_flagfile_parses_validates_and_builds(path):
                and '--config.data.source=hf' in l for l in header), 'the prepare command'
 
 
+def test_135m_h200_is_the_base_file_without_remat_and_unrolled():
+  """launch/135m_h200.flags: the paper's run with the step measured fastest on an H200."""
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m.flags")}'])
+  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m_h200.flags")}'])
+  assert (base.depth.remat, base.depth.unroll, base.train.loss_chunk) == (True, 1, 4096)
+  assert (cfg.depth.remat, cfg.depth.unroll) == (False, 8)
+  assert dataclasses.replace(cfg.depth, remat=True, unroll=1) == base.depth
+  assert (cfg.model, cfg.train, cfg.data) == (base.model, base.train, base.data)
+
+
 def test_135m_mean4_is_the_base_file_plus_one_line():
   base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m.flags")}'])
   path = os.path.join(REPO, 'launch', '135m_mean4.flags')
