@@ -113,15 +113,15 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
   active_BxL: initial mask (padding starts inactive); schedule_BxL: benchmarks only,
   a token also exits at the first allowed loop >= schedule (`policies.scheduled`).
   """
-  def loop(model: LoopedLM, s0, e, pos):
+  def loop(model: LoopedLM, s0, inj, pos):
     b, l = s0.shape[:2]
     c = model.cfg
-    zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), e.dtype)
+    zeros = jnp.zeros((b, l, c.num_kv_heads, c.head_dim), inj.dtype)
     kv0 = [(zeros, zeros) for _ in range(c.n_core)]
     rot = model.rotary(pos)  # once, outside the while_loop
 
     def masked_step(s, kv, active):
-      return model.core_step(s, e, pos, [_freeze(kv[j], active) for j in range(c.n_core)],
+      return model.core_step(s, inj, pos, [_freeze(kv[j], active) for j in range(c.n_core)],
                              rot=rot)
 
     readout = lambda s: model.decode_state(s, pos)[0]
@@ -201,7 +201,7 @@ def _gathered_check(check_fn, chk: policies.CheckCarry, idx, put_idx, s_new, s_c
   return want, chk, c.coda, c.head
 
 
-def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool, *, router,
+def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, compact_coda: bool, *, router,
                    exit_mask_BxL, schedule_BxL):
   """compact_exit_loop's phase_fn: gathers a phase's buffer once; its step runs one loop
   of the buffer's live tokens and their exit check.
@@ -217,7 +217,7 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, e, pos, compact_coda: bool,
 
   def phase(idx, s):
     g = lambda x: recurrence.gather_rows(x, idx)
-    buf = _Buffer(idx, s, g(pos), g(e), jax.tree.map(g, rot))
+    buf = _Buffer(idx, s, g(pos), g(inj), jax.tree.map(g, rot))
     exit_c = None if exit_mask_BxL is None else g(exit_mask_BxL)
     sched_c = None if schedule_BxL is None else g(schedule_BxL)
 
@@ -272,10 +272,10 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   policy = ExitPolicy(cfg.policy)
   needs_head = policy in policies.HEAD_POLICIES
 
-  def loop(model: LoopedLM, s0, e, pos):
+  def loop(model: LoopedLM, s0, inj, pos):
     c = model.cfg
     b, l = s0.shape[:2]
-    zeros = jnp.zeros((b, c.num_kv_heads, l, c.head_dim), e.dtype)
+    zeros = jnp.zeros((b, c.num_kv_heads, l, c.head_dim), inj.dtype)
     compact_coda = needs_head and c.n_coda <= 1
     # tokens inactive from the start offer the coda keys/values of their initial state
     pad = compact_coda and active_BxL is not None
@@ -284,7 +284,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
                                        use_kernel=cfg.use_kernel, patience=cfg.patience)
 
-    phase = _compact_phase(model, cfg, e, pos, compact_coda, router=router,
+    phase = _compact_phase(model, cfg, inj, pos, compact_coda, router=router,
                            exit_mask_BxL=exit_mask_BxL, schedule_BxL=schedule_BxL)
     carry = ([(zeros, zeros) for _ in range(c.n_core)], coda_kv0, carry0(s0),
              jnp.int32(b * l if pad else 0), jnp.int32(0))

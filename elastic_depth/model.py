@@ -14,6 +14,7 @@ instead be a function attend(q, k_all, v_all) -> o that attends itself (the comp
 scorer's keys/values are kv-group-major, `compaction.compact_attention`).
 """
 
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -57,10 +58,9 @@ def projections(x, ws: Sequence[jax.Array], fuse: bool) -> list[jax.Array]:
   if not fuse:
     return [dense(x, w) for w in ws]
   y = dense(x, jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=1))
-  sizes = [math.prod(w.shape[1:]) for w in ws]
-  ends = [sum(sizes[:i + 1]) for i in range(len(ws))]
-  return [y[..., e - n:e].reshape(*x.shape[:-1], *w.shape[1:])
-          for w, n, e in zip(ws, sizes, ends)]
+  ends = itertools.accumulate(math.prod(w.shape[1:]) for w in ws[:-1])
+  return [p.reshape(*x.shape[:-1], *w.shape[1:])
+          for p, w in zip(jnp.split(y, list(ends), axis=-1), ws)]
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
@@ -306,21 +306,21 @@ LoopFn = Callable[[LoopedLM, jax.Array, jax.Array, jax.Array], tuple[jax.Array, 
 
 def fixed(n: int, *, remat: bool = True) -> LoopFn:
   """Loop policy: n loops (static) as one lax.scan."""
-  return lambda m, s0, e, pos: (recurrence.fixed_depth(m.step_fn(e, pos), s0, n,
+  return lambda m, s0, inj, pos: (recurrence.fixed_depth(m.step_fn(inj, pos), s0, n,
                                                        remat=remat), None)
 
 
 def bucketed(bucket_idx: jax.Array, depth: DepthConfig) -> LoopFn:
   """Loop policy for training: depth.buckets[bucket_idx] loops behind one lax.switch."""
-  return lambda m, s0, e, pos: (recurrence.bucketed_depth(
-      m.step_fn(e, pos), s0, bucket_idx, depth.buckets,
+  return lambda m, s0, inj, pos: (recurrence.bucketed_depth(
+      m.step_fn(inj, pos), s0, bucket_idx, depth.buckets,
       backprop_depth=depth.backprop_depth, remat=depth.remat,
       policy=REMAT_POLICIES[RematPolicy(depth.remat_policy)], unroll=depth.unroll), None)
 
 
 def dynamic(n: jax.Array) -> LoopFn:
   """Loop policy: a traced number of loops (forward only), one executable for every n."""
-  return lambda m, s0, e, pos: (recurrence.dynamic_depth(m.step_fn(e, pos), s0, n), None)
+  return lambda m, s0, inj, pos: (recurrence.dynamic_depth(m.step_fn(inj, pos), s0, n), None)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> LoopedLM:

@@ -29,8 +29,8 @@ class Harvest(NamedTuple):
 
 def _recorded_loop(r_max: int) -> model_lib.LoopFn:
   """Loop policy: r_max loops, recording each loop's state (fp32) and argmax prediction."""
-  def loop(mdl, s0, e, pos):
-    step = mdl.step_fn(e, pos)  # RoPE tables once, outside the scan
+  def loop(mdl, s0, inj, pos):
+    step = mdl.step_fn(inj, pos)  # RoPE tables once, outside the scan
 
     def body(s, _):
       s = step(s)

@@ -40,6 +40,7 @@ meaningful.
 
 import dataclasses
 import datetime
+import itertools
 import os
 import platform
 import statistics
@@ -281,16 +282,22 @@ class OurStep:
     return res
 
 
+def variants(name: str) -> list[tuple[str, int, str, int]]:
+  """(remat, loss_chunk, attention_impl, unroll) of every step to build: the flags' product."""
+  sh = SHAPES[name]
+  return list(itertools.product(FLAGS.remat or [sh.remat],
+                                [int(c) for c in FLAGS.loss_chunk] or [sh.loss_chunk],
+                                FLAGS.attention_impl or ['auto'],
+                                [int(u) for u in FLAGS.unroll] or [1]))
+
+
 def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dict]:
   """Compiles and times the train step of one shape for each remat choice, and the
   reference's step (--reference_dir) at S and P, alternating for `rounds` rounds."""
   sh = SHAPES[name]
   r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
   timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
-  chunks = [int(c) for c in FLAGS.loss_chunk] or [sh.loss_chunk]
-  ours = [OurStep(name, r, dtype, c, timed, n, a, int(u)) for c in (FLAGS.remat or [sh.remat])
-          for n in chunks for a in (FLAGS.attention_impl or ['auto'])
-          for u in (FLAGS.unroll or [1])]
+  ours = [OurStep(name, r, dtype, c, timed, n, a, u) for c, n, a, u in variants(name)]
   ref = None
   if FLAGS.reference_dir and name in REFERENCE_SHAPES:
     ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[

@@ -221,13 +221,10 @@ def main(argv):
   load = os.getloadavg()
   results = []
   for name in FLAGS.shapes:
-    for remat in FLAGS.remat or [bench_train.SHAPES[name].remat]:
-      for impl in FLAGS.attention_impl or ['auto']:
-        for chunk in [int(c) for c in FLAGS.loss_chunk] or [None]:
-          for unroll in [int(u) for u in FLAGS.unroll] or [1]:
-            res = profile_shape(name, remat, FLAGS.profile_steps, impl, chunk, unroll)
-            results.append(res)
-            _print(res)
+    for remat, chunk, impl, unroll in bench_train.variants(name):
+      res = profile_shape(name, remat, FLAGS.profile_steps, impl, chunk, unroll)
+      results.append(res)
+      _print(res)
   out = FLAGS.out if FLAGS.out != FLAGS['out'].default else 'runs/profile_train.json'
   bench_util.write_json(out, dict(
       command=" ".join(sys.argv), cpu=bench_util.cpu_description(),

@@ -82,9 +82,9 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
     pos = model_lib.positions(tokens)
     e, _ = mdl.encode(tokens, pos)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(seed_key, 0x1a17), step), 0)  # micro 0
-    s = mdl.initial_state(e, key, pos)
+    s, inj = mdl.initial_state(e, key, pos), mdl.inject(e)
     for _ in range(depth):
-      s, _ = mdl.core_step(s, mdl.inject(e), pos)
+      s, _ = mdl.core_step(s, inj, pos)
     logits = mdl.logits(mdl.decode_state(s, pos)[0])
     want = np_masked_nll(logits, host['targets'], host['mask'])
     assert float(m['loss']) == pytest.approx(want, rel=2e-5)
