@@ -44,24 +44,19 @@ import itertools
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 from absl import app
 from absl import flags
 import jax
-import numpy as np
 
 from elastic_depth import config as config_lib
-from elastic_depth import distributed
-from elastic_depth import dry_run
 from elastic_depth import metrics
-from elastic_depth import model as model_lib
-from elastic_depth import train as train_lib
 from experiments import bench_reference
 from experiments import bench_util
 from experiments import flags_util
+from experiments import timed_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMAT_CHOICES = [p.value for p in config_lib.RematPolicy] + ['off']
@@ -169,119 +164,6 @@ def shape_config(name: str, r: int, dtype: str, remat: str, loss_chunk: int | No
   return cfg
 
 
-def flop_counts(cfg: config_lib.Config, r: int) -> dict:
-  """Per-token FLOPs: model (3x forward) and hardware (plus the remat recompute)."""
-  fwd = model_lib.flops_per_token(cfg.model, r, cfg.train.seq_len)
-  model = 3 * fwd['total']
-  m = cfg.model
-  kept = {  # matmul FLOPs per token of one loop that the backward pass recomputes
-      config_lib.RematPolicy.NOTHING: fwd['loop'],
-      config_lib.RematPolicy.DOTS: m.n_core * 2 * m.num_heads * m.head_dim * cfg.train.seq_len,
-      config_lib.RematPolicy.ALL_DOTS: 0.0}  # DOTS: attention scores/outputs (causal half)
-  recompute = r * kept[cfg.depth.remat_policy] if cfg.depth.remat else 0.0
-  return dict(forward=float(fwd['total']), model=float(model),
-              remat_recompute=float(recompute), hw=float(model + recompute),
-              head_fraction=float(fwd['head'] / fwd['total']))
-
-
-def random_batch(cfg: config_lib.Config, seed: int = 0) -> dict:
-  rng = np.random.default_rng(seed)
-  shape = (cfg.train.batch_size, cfg.train.seq_len)
-  v = cfg.model.vocab_size
-  return dict(inputs=rng.integers(0, v, shape).astype(np.int32),
-              targets=rng.integers(0, v, shape).astype(np.int32),
-              mask=np.ones(shape, np.float32))
-
-
-class OurStep:
-  """The library's train step of one shape and remat choice, compiled; times steps on demand."""
-
-  def __init__(self, name: str, r: int, dtype: str, remat: str, timed: bool,
-               loss_chunk: int | None = None, attention_impl: str = 'auto', unroll: int = 1):
-    self.name, self.r, self.remat = name, r, remat
-    self.cfg = cfg = shape_config(name, r, dtype, remat, loss_chunk, attention_impl, unroll)
-    self.accum = config_lib.grad_accum_steps(cfg.train)
-    self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
-    mesh = distributed.make_mesh(jax.devices()[:1])
-    t0 = time.perf_counter()
-    if timed:
-      graphdef, state = train_lib.init_state(cfg, cfg.train.seed)
-      self.state = train_lib.place_state(state, mesh)
-      self.batch = distributed.shard_batch(
-          [random_batch(cfg, i) for i in range(self.accum)], mesh, self.accum)
-      step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
-      self.compiled = step_fn.lower(self.state, self.batch).compile()
-    else:  # nothing allocated: FLOPs and memory only
-      self.compiled = dry_run.compile_abstract(cfg, mesh)
-    self.compile_s = time.perf_counter() - t0
-    self.times, self.cpu_times, self.losses, self.depths = [], [], [], set()
-    self.faults = []
-
-  def run(self, steps: int, warmup: int = 0) -> None:
-    """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
-    for i in range(warmup + steps):
-      t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
-      self.state, m = self.compiled(self.state, self.batch)
-      loss = float(m['loss'])  # blocks
-      dt, dc = time.perf_counter() - t0, time.process_time() - c0
-      self.losses.append(loss)
-      self.depths.add(int(m['bucket']))
-      if i >= warmup:
-        self.times.append(dt)
-        self.cpu_times.append(dc)
-        self.faults.append(bench_util.minor_faults() - f0)
-
-  def compiled_figures(self) -> dict:
-    """XLA's cost (FLOPs per step, incl. remat) and memory analysis of the compiled step."""
-    out = {}
-    try:
-      cost = self.compiled.cost_analysis()
-      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-      # XLA's count: a scan's loop body is counted once, not r times
-      out['compiled_flops_per_step'] = float(cost.get('flops', 0.0))
-      out['compiled_bytes_accessed_per_step'] = float(cost.get('bytes accessed', 0.0))
-    except Exception:  # pylint: disable=broad-except  not every backend reports it
-      pass
-    try:
-      mem = dry_run.memory_of(self.compiled)
-      out.update(temp_bytes=mem['temp_size_in_bytes'],
-                 argument_bytes=mem['argument_size_in_bytes'], peak_bytes=mem['peak_bytes'])
-    except Exception:  # pylint: disable=broad-except
-      pass
-    return out
-
-  def result(self) -> dict:
-    """The shape's JSON record (timing fields only when steps were run)."""
-    cfg, tokens = self.cfg, self.tokens
-    fl = flop_counts(cfg, self.r)
-    res = dict(
-        shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
-        loss_chunk=cfg.train.loss_chunk, attention_impl=str(cfg.model.attention_impl.value),
-        unroll=cfg.depth.unroll, fuse_projections=cfg.model.fuse_projections,
-        params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
-        seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
-        config=train_lib.config_dict(cfg), compile_s=self.compile_s,
-        flops_per_token=fl['model'], flops_per_token_forward=fl['forward'],
-        flops_per_token_remat_recompute=fl['remat_recompute'],
-        flops_per_token_hw=fl['hw'], head_flop_fraction=fl['head_fraction'],
-        timed=bool(self.times), **self.compiled_figures())
-    if 'compiled_flops_per_step' in res:
-      res['compiled_flops_per_token'] = res['compiled_flops_per_step'] / tokens
-    if not self.times:
-      return res
-    med = statistics.median(self.times)
-    res.update(
-        step_times_s=self.times, step_cpu_s=self.cpu_times, step_s_median=med,
-        step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
-        step_minor_faults_median=statistics.median(self.faults),
-        tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),
-        model_flops_per_s=fl['model'] * tokens / med,
-        first_loss=self.losses[0], last_loss=self.losses[-1],
-        all_finite=bool(np.all(np.isfinite(self.losses))), depths_run=sorted(self.depths),
-        hw_flops_per_s=fl['hw'] * tokens / med)
-    return res
-
-
 def variants(name: str) -> list[tuple[str, int, str, int]]:
   """(remat, loss_chunk, attention_impl, unroll) of every step to build: the flags' product."""
   sh = SHAPES[name]
@@ -297,7 +179,8 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
   sh = SHAPES[name]
   r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
   timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
-  ours = [OurStep(name, r, dtype, c, timed, n, a, u) for c, n, a, u in variants(name)]
+  ours = [timed_step.TimedStep(name, shape_config(name, r, dtype, c, n, a, u), r, c, timed)
+          for c, n, a, u in variants(name)]
   ref = None
   if FLAGS.reference_dir and name in REFERENCE_SHAPES:
     ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[
@@ -316,18 +199,6 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
       res['reference_note'] = ('measured in this run, one step after the other (never at '
                                'once), by experiments/bench_reference.py')
   return results
-
-
-def busy_processes(limit: int = 8) -> list[str]:
-  """The busiest other processes (pid %cpu command), for the record."""
-  try:
-    out = subprocess.run(['ps', '-eo', 'pid,pcpu,args', '--sort=-pcpu'], capture_output=True,
-                         text=True, timeout=5, check=False).stdout.splitlines()[1:]
-  except (OSError, subprocess.SubprocessError):
-    return []
-  me = str(os.getpid())
-  rows = [l.strip()[:160] for l in out if l.split(None, 1)[0] != me]
-  return rows[:limit]
 
 
 def check_flags() -> None:
@@ -421,7 +292,7 @@ def main(argv):
     flags_util.fail(f'unexpected arguments {argv[1:]}')
   check_flags()
   load_start = os.getloadavg()
-  procs_start = busy_processes()
+  procs_start = bench_util.busy_processes()
   t_start = time.perf_counter()
   peaks = [metrics.measure_matmul_peak(FLAGS.peak_n)]
   results = []
@@ -454,7 +325,7 @@ def main(argv):
       glibc_tunables=bench_util.glibc_tunables(),
       matmul_peak_flops=peak, matmul_peak_samples=peaks,
       load_avg_start=list(load_start), load_avg_end=list(os.getloadavg()),
-      other_processes_start=procs_start, other_processes_end=busy_processes(),
+      other_processes_start=procs_start, other_processes_end=bench_util.busy_processes(),
       wall_s=time.perf_counter() - t_start, results=results)
   bench_util.write_json(FLAGS.out, doc)
   _print_table(doc)

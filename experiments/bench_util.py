@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 
 from elastic_depth import timing
 
@@ -95,3 +96,15 @@ def reference_tok_s(kind: str, shape: str, **settings) -> float | None:
   if recorded is None or any(recorded.get(k) != v for k, v in ours.items()):
     return None
   return float(section['tokens_per_s'][shape])
+
+
+def busy_processes(limit: int = 8) -> list[str]:
+  """The busiest other processes (pid %cpu command), for the record."""
+  try:
+    out = subprocess.run(['ps', '-eo', 'pid,pcpu,args', '--sort=-pcpu'], capture_output=True,
+                         text=True, timeout=5, check=False).stdout.splitlines()[1:]
+  except (OSError, subprocess.SubprocessError):
+    return []
+  me = str(os.getpid())
+  rows = [l.strip()[:160] for l in out if l.split(None, 1)[0] != me]
+  return rows[:limit]

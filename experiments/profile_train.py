@@ -16,11 +16,13 @@ XLA:CPU op events (on every thread) by
 Each op event is attributed through its HLO instruction's op_name. Times are per step,
 summed over the threads that ran ops; `wall_s` is the step's wall time. On a GPU the
 events are the device's kernels (their `hlo_op` stat names the instruction), and the
-JSON adds the 40 costliest kernels by name (`kernels`) and the trace's device lines.
+JSON adds the 40 costliest kernels by name (`kernels`) and the trace's device lines;
+--hlo_dir keeps the compiled HLO, to look a kernel's instruction up.
 """
 
 import collections
 import glob
+import gzip
 import os
 import re
 import sys
@@ -34,9 +36,12 @@ import jax
 from experiments import bench_train
 from experiments import bench_util
 from experiments import flags_util
+from experiments import timed_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('profile_steps', 2, 'Steps traced per shape.')
+flags.DEFINE_string('hlo_dir', '', 'Also write each compiled step\'s optimized HLO there '
+                    '(gzipped text; its instruction names are the GPU kernels\' names).')
 
 PARTS = ('sdpa', 'rope', 'attention', 'mlp', 'adapter', 'head', 'norm')  # innermost first
 _INSTR = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*? (\w[\w-]*)\((.*)$', re.M)
@@ -109,12 +114,12 @@ def _stats(ev) -> dict:
 def device_op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter, list]:
   """GPU: kernel ns per HLO op and per kernel, plus the lines.
 
-  The ops come from the kernels' hlo_op stats, else the 'XLA Ops' line, else the kernel
-  names themselves (CUDA-graph launches carry neither: XLA's own kernels are named as
-  their op, library kernels stay unmatched).
+  A kernel's op is its hlo_op stat, else its own name (CUDA-graph launches carry no stat:
+  XLA's own kernels are named as their instruction, library kernels stay unmatched);
+  where no kernel has the stat and the trace has an 'XLA Ops' line, that line's events.
   """
   ops, kernels, lines = collections.Counter(), collections.Counter(), []
-  xla_ops = collections.Counter()
+  xla_ops, stat_ops = collections.Counter(), 0
   for plane in _planes(trace_dir):
     if not plane.name.startswith('/device:'):
       continue
@@ -132,9 +137,9 @@ def device_op_times(trace_dir: str) -> tuple[collections.Counter, collections.Co
       for ev in evs:
         kernels[ev.name] += ev.duration_ns
         op = _stats(ev).get('hlo_op')
-        if op:
-          ops[str(op).lstrip('%')] += ev.duration_ns
-  return ops or xla_ops or kernels, kernels, lines
+        stat_ops += bool(op)
+        ops[str(op or ev.name).lstrip('%')] += ev.duration_ns
+  return xla_ops if xla_ops and not stat_ops else ops, kernels, lines
 
 
 def op_times(trace_dir: str) -> collections.Counter:
@@ -155,10 +160,18 @@ def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto
                   loss_chunk: int | None = None, unroll: int = 1) -> dict:
   """Traces `steps` steps of one shape and returns the time breakdown (seconds per step)."""
   sh = bench_train.SHAPES[name]
-  ours = bench_train.OurStep(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat, True,
-                             loss_chunk, attention_impl, unroll)
+  r = FLAGS.depth or sh.r
+  cfg = bench_train.shape_config(name, r, FLAGS.dtype or sh.dtype, remat, loss_chunk,
+                                 attention_impl, unroll)
+  ours = timed_step.TimedStep(name, cfg, r, remat, True)
   ours.run(0, warmup=1)
-  ops = hlo_ops(ours.compiled.as_text())
+  text = ours.compiled.as_text()
+  ops = hlo_ops(text)
+  if FLAGS.hlo_dir:
+    os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+    path = os.path.join(FLAGS.hlo_dir, f'{name}_{remat}_c{loss_chunk}_u{unroll}.hlo.txt.gz')
+    with gzip.open(path, 'wt', encoding='utf-8') as f:
+      f.write(text)
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
     t0 = time.perf_counter()

@@ -15,7 +15,8 @@
 # in the scan) (90); bench_train_135m_fused, the same with q/k/v and gate/up as one matmul
 # each (model.fuse_projections; slower on XLA:CPU, unmeasured on a GPU) (90);
 # bench_train_135m_r32, 135m_h200's step at depth 32 (r_max: its memory) (90);
-# profile_135m, where 135m_h200's step spends its GPU time, by part and kernel (75); cudnn,
+# profile_135m, where 135m_h200's step spends its GPU time, by part and kernel, with its
+# compiled HLO (XLA's kernels are named as their instructions) (75); cudnn,
 # the cuDNN attention test against XLA's attention (45); bench_exit_P, compacted scoring at
 # the 135M blocks, 4 buffer sizes, GEMM autotuning off (with it and 8 sizes the compile did
 # not finish in 100 s) (140).
@@ -60,7 +61,7 @@ step bench_train_135m_fused 90 $T135 $H200 --fuse_projections \
   --out="$OUT/bench_train_135m_fused.json"
 step bench_train_135m_r32 90 $T135 $H200 --depth=32 --out="$OUT/bench_train_135m_r32.json"
 step profile_135m 75 python3 -m experiments.profile_train --shapes=135m --profile_steps=1 \
-  $H200 --loss_chunk=4096 --out="$OUT/profile_135m.json"
+  $H200 --loss_chunk=4096 --out="$OUT/profile_135m.json" --hlo_dir="$OUT/hlo"
 step cudnn 45 python3 -m pytest -v -p no:cacheprovider --timeout=35 -rfE --tb=short \
   tests/attention_test.py::test_cudnn_attention_matches_xla_in_bf16
 step bench_exit_P 140 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m \

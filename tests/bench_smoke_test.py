@@ -4,6 +4,7 @@ Runs the modules as subprocesses (their absl flags stay out of the test process)
 checks the JSON reports; no timing assertions.
 """
 
+import gzip
 import json
 import os
 import platform
@@ -78,11 +79,18 @@ def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
   assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
 
 
+def profile_train_ops(path):
+  from experiments import profile_train  # pylint: disable=g-import-not-at-top
+  with gzip.open(path, 'rt', encoding='utf-8') as f:
+    return profile_train.hlo_ops(f.read())
+
+
 def test_profile_train_attributes_the_step_time(tmp_path):
   out = tmp_path / 'profile.json'
   proc = subprocess.run([sys.executable, '-m', 'experiments.profile_train', '--shapes=nano',
                          '--profile_steps=1', '--micro_batch=1', '--loss_chunk=5', '--unroll=2',
-                         f'--out={out}'], cwd=REPO, capture_output=True,
+                         f'--out={out}', f'--hlo_dir={tmp_path / "hlo"}'], cwd=REPO,
+                        capture_output=True,
                         text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   [res] = json.loads(out.read_text())['results']
@@ -95,6 +103,9 @@ def test_profile_train_attributes_the_step_time(tmp_path):
   assert {'core loops', 'outside loops', 'optimizer'} <= set(res['summary']['region'])
   assert {'forward', 'backward', 'remat recompute'} <= set(res['summary']['pass'])
   assert {'mlp', 'sdpa', 'norm'} <= set(res['summary']['part'])
+  [hlo] = (tmp_path / 'hlo').iterdir()  # the step's compiled HLO, as the profile read it
+  assert hlo.name == f'nano_{res["remat"]}_c5_u2.hlo.txt.gz'
+  assert len(profile_train_ops(hlo)) > 100
 
 
 def test_bench_generate_writes_all_variants(tmp_path):
@@ -190,7 +201,8 @@ def test_profile_train_kernel_families(name, family):
 
 
 def test_profile_train_reads_gpu_kernels_from_stream_lines(monkeypatch):
-  """Device planes only; hlo_op stats where present, else the 'XLA Ops' line."""
+  """Device planes only; hlo_op stats where present, else the kernel's name; the 'XLA Ops'
+  line where no kernel has the stat."""
   from experiments import profile_train  # pylint: disable=g-import-not-at-top
   ev = lambda name, ns, stats=(): types.SimpleNamespace(name=name, duration_ns=ns, stats=stats)
   line = lambda name, evs: types.SimpleNamespace(name=name, events=evs)
@@ -202,7 +214,9 @@ def test_profile_train_reads_gpu_kernels_from_stream_lines(monkeypatch):
       line('XLA Ops', [ev('dot.1', 17), ev('loop_add_fusion', 5)])])
   monkeypatch.setattr(profile_train, '_planes', lambda d: [host, gpu])
   ops, kernels, lines = profile_train.device_op_times('unused')
-  assert ops == {'dot.1': 10} and kernels == {'nvjet_a': 17, 'loop_add_fusion': 5}
+  # per kernel: its hlo_op stat, else its own name (XLA names its kernels as their op)
+  assert ops == {'dot.1': 10, 'loop_add_fusion': 5, 'nvjet_a': 7}
+  assert kernels == {'nvjet_a': 17, 'loop_add_fusion': 5}
   assert [l['line'] for l in lines] == ['Stream #14(Compute)', 'XLA Ops']
   gpu.lines[0].events[0].stats = ()  # no hlo_op stats anywhere: the XLA Ops line
   ops, _, _ = profile_train.device_op_times('unused')

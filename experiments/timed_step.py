@@ -1,0 +1,127 @@
+"""A compiled training step that times itself, and its FLOP books (bench_train, profile_train)."""
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from elastic_depth import config as config_lib
+from elastic_depth import distributed
+from elastic_depth import dry_run
+from elastic_depth import model as model_lib
+from elastic_depth import train as train_lib
+from experiments import bench_util
+
+
+def flop_counts(cfg: config_lib.Config, r: int) -> dict:
+  """Per-token FLOPs: model (3x forward) and hardware (plus the remat recompute)."""
+  fwd = model_lib.flops_per_token(cfg.model, r, cfg.train.seq_len)
+  model = 3 * fwd['total']
+  m = cfg.model
+  kept = {  # matmul FLOPs per token of one loop that the backward pass recomputes
+      config_lib.RematPolicy.NOTHING: fwd['loop'],
+      config_lib.RematPolicy.DOTS: m.n_core * 2 * m.num_heads * m.head_dim * cfg.train.seq_len,
+      config_lib.RematPolicy.ALL_DOTS: 0.0}  # DOTS: attention scores/outputs (causal half)
+  recompute = r * kept[cfg.depth.remat_policy] if cfg.depth.remat else 0.0
+  return dict(forward=float(fwd['total']), model=float(model),
+              remat_recompute=float(recompute), hw=float(model + recompute),
+              head_fraction=float(fwd['head'] / fwd['total']))
+
+
+def random_batch(cfg: config_lib.Config, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  shape = (cfg.train.batch_size, cfg.train.seq_len)
+  v = cfg.model.vocab_size
+  return dict(inputs=rng.integers(0, v, shape).astype(np.int32),
+              targets=rng.integers(0, v, shape).astype(np.int32),
+              mask=np.ones(shape, np.float32))
+
+
+class TimedStep:
+  """The library's train step of one Config, compiled; times steps on demand."""
+
+  def __init__(self, name: str, cfg: config_lib.Config, r: int, remat: str, timed: bool):
+    """`name` labels the shape, r is the depth cfg runs, remat the bench's remat choice
+    (a RematPolicy value or 'off'); timed=False compiles abstractly (nothing allocated)."""
+    self.name, self.r, self.remat, self.cfg = name, r, remat, cfg
+    self.accum = config_lib.grad_accum_steps(cfg.train)
+    self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
+    mesh = distributed.make_mesh(jax.devices()[:1])
+    t0 = time.perf_counter()
+    if timed:
+      graphdef, state = train_lib.init_state(cfg, cfg.train.seed)
+      self.state = train_lib.place_state(state, mesh)
+      self.batch = distributed.shard_batch(
+          [random_batch(cfg, i) for i in range(self.accum)], mesh, self.accum)
+      step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
+      self.compiled = step_fn.lower(self.state, self.batch).compile()
+    else:  # nothing allocated: FLOPs and memory only
+      self.compiled = dry_run.compile_abstract(cfg, mesh)
+    self.compile_s = time.perf_counter() - t0
+    self.times, self.cpu_times, self.losses, self.depths = [], [], [], set()
+    self.faults = []
+
+  def run(self, steps: int, warmup: int = 0) -> None:
+    """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
+    for i in range(warmup + steps):
+      t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
+      self.state, m = self.compiled(self.state, self.batch)
+      loss = float(m['loss'])  # blocks
+      dt, dc = time.perf_counter() - t0, time.process_time() - c0
+      self.losses.append(loss)
+      self.depths.add(int(m['bucket']))
+      if i >= warmup:
+        self.times.append(dt)
+        self.cpu_times.append(dc)
+        self.faults.append(bench_util.minor_faults() - f0)
+
+  def compiled_figures(self) -> dict:
+    """XLA's cost (FLOPs per step, incl. remat) and memory analysis of the compiled step."""
+    out = {}
+    try:
+      cost = self.compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      # XLA's count: a scan's loop body is counted once, not r times
+      out['compiled_flops_per_step'] = float(cost.get('flops', 0.0))
+      out['compiled_bytes_accessed_per_step'] = float(cost.get('bytes accessed', 0.0))
+    except Exception:  # pylint: disable=broad-except  not every backend reports it
+      pass
+    try:
+      mem = dry_run.memory_of(self.compiled)
+      out.update(temp_bytes=mem['temp_size_in_bytes'],
+                 argument_bytes=mem['argument_size_in_bytes'], peak_bytes=mem['peak_bytes'])
+    except Exception:  # pylint: disable=broad-except
+      pass
+    return out
+
+  def result(self) -> dict:
+    """The shape's JSON record (timing fields only when steps were run)."""
+    cfg, tokens = self.cfg, self.tokens
+    fl = flop_counts(cfg, self.r)
+    res = dict(
+        shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
+        loss_chunk=cfg.train.loss_chunk, attention_impl=str(cfg.model.attention_impl.value),
+        unroll=cfg.depth.unroll, fuse_projections=cfg.model.fuse_projections,
+        params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
+        seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
+        config=train_lib.config_dict(cfg), compile_s=self.compile_s,
+        flops_per_token=fl['model'], flops_per_token_forward=fl['forward'],
+        flops_per_token_remat_recompute=fl['remat_recompute'],
+        flops_per_token_hw=fl['hw'], head_flop_fraction=fl['head_fraction'],
+        timed=bool(self.times), **self.compiled_figures())
+    if 'compiled_flops_per_step' in res:
+      res['compiled_flops_per_token'] = res['compiled_flops_per_step'] / tokens
+    if not self.times:
+      return res
+    med = statistics.median(self.times)
+    res.update(
+        step_times_s=self.times, step_cpu_s=self.cpu_times, step_s_median=med,
+        step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
+        step_minor_faults_median=statistics.median(self.faults),
+        tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),
+        model_flops_per_s=fl['model'] * tokens / med,
+        first_loss=self.losses[0], last_loss=self.losses[-1],
+        all_finite=bool(np.all(np.isfinite(self.losses))), depths_run=sorted(self.depths),
+        hw_flops_per_s=fl['hw'] * tokens / med)
+    return res
