@@ -91,6 +91,7 @@ class ReferenceStep:
     self.targets = torch.randint(0, model['vocab_size'], shape, generator=g)
     self.r, self.threads, self.tokens = r, threads, batch_size * seq_len
     self.times, self.cpu_times, self.losses, self.faults = [], [], [], []
+    self.untimed = 0
 
   def step(self) -> float:
     """One training step: forward through r loops with gradient, backward, clip, AdamW."""
@@ -103,6 +104,7 @@ class ReferenceStep:
 
   def run(self, steps: int, warmup: int = 0) -> None:
     """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
+    self.untimed += warmup
     for i in range(warmup + steps):
       t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
       self.losses.append(self.step())
@@ -118,7 +120,8 @@ class ReferenceStep:
                 torch_version=self.torch.__version__, threads=self.threads,
                 params=sum(p.numel() for p in self.net.parameters()),
                 num_kv_heads=self.cfg.num_key_value_heads, gradient_checkpointing=False,
-                steps_with_grad=self.r, step_times_s=self.times, step_cpu_s=self.cpu_times,
+                steps_with_grad=self.r, step_times_s=self.times, untimed_steps=self.untimed,
+                step_cpu_s=self.cpu_times,
                 step_s_median=med, step_s_min=min(self.times),
                 step_cpu_s_median=statistics.median(self.cpu_times),
                 step_minor_faults_median=statistics.median(self.faults),

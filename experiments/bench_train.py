@@ -26,8 +26,9 @@ are also reported as MFU against the device kind's bf16 peak (`metrics.peak_flop
 Reference: with --reference_dir (a checkout of seal-rg/recurrent-pretraining, and
 torch installed) the reference's own training step is timed at S and P in this run,
 after ours, never at once (`experiments/bench_reference.py`); --rounds alternates the
-two. Without it, the ratio is against experiments/reference_figures.json, recorded on
-another machine and labelled so.
+two, each later round starting with --round_warmup untimed steps of each. Without it,
+the ratio is against experiments/reference_figures.json, recorded on another machine and
+labelled so.
 
 `135m` is the real step of launch/135m.flags (bf16, 16 x 2048, 8 micro-batches, head + loss
 fused in chunks of 4,096): on a CPU it is only compiled (FLOPs and memory reported,
@@ -93,6 +94,9 @@ flags.DEFINE_string('reference_dir', '', 'Checkout of seal-rg/recurrent-pretrain
 flags.DEFINE_integer('reference_threads', 2, 'torch.set_num_threads for the reference.')
 flags.DEFINE_integer('rounds', 1, 'Alternate our steps and the reference\'s this many times '
                      '(medians over all rounds; more rounds even out a shared machine\'s load).')
+flags.DEFINE_integer('round_warmup', 1, 'Untimed steps at the start of every later round, '
+                     'ours and the reference\'s: on a VM the first XLA:CPU step after a '
+                     'pause of seconds spends seconds in the kernel (WORKSPACE.md).')
 
 TARGET_RATIO = 1.2  # x the reference's tokens/s (issue 13)
 TARGET_PEAK_FRACTION = {'S': 0.40}
@@ -186,10 +190,11 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
     ref = bench_reference.ReferenceStep(FLAGS.reference_dir, sh.model, seq_len=sh.train[
         'seq_len'], batch_size=sh.train['batch_size'], r=r, threads=FLAGS.reference_threads)
   for i in range(rounds if timed else 0):
+    untimed = warmup if i == 0 else FLAGS.round_warmup
     for o in ours:
-      o.run(steps, warmup if i == 0 else 0)
+      o.run(steps, untimed)
     if ref is not None:
-      ref.run(steps, warmup if i == 0 else 0)
+      ref.run(steps, untimed)
   results = [o.result() for o in ours]
   if ref is not None:
     measured = ref.result()
@@ -221,6 +226,8 @@ def check_flags() -> None:
     flags_util.fail(f'--unroll: {FLAGS.unroll} must be integers >= 1')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
     flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
+  if FLAGS.round_warmup < 0:
+    flags_util.fail(f'--round_warmup={FLAGS.round_warmup} must be >= 0')
   if FLAGS.reference_dir:
     try:
       bench_reference.check_reference_dir(FLAGS.reference_dir)
@@ -317,7 +324,7 @@ def main(argv):
       command=' '.join(sys.argv), flags={k: FLAGS[k].value for k in (
           'shapes', 'steps', 'warmup', 'cap_heavy', 'depth', 'dtype', 'remat', 'loss_chunk',
           'attention_impl', 'peak_n',
-          'reference_dir', 'reference_threads', 'rounds')},
+          'reference_dir', 'reference_threads', 'rounds', 'round_warmup')},
       jax_version=jax.__version__, backend=jax.default_backend(),
       devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(),
       machine=platform.machine(), cpu=bench_util.cpu_description(),

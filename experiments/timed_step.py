@@ -60,10 +60,11 @@ class TimedStep:
       self.compiled = dry_run.compile_abstract(cfg, mesh)
     self.compile_s = time.perf_counter() - t0
     self.times, self.cpu_times, self.losses, self.depths = [], [], [], set()
-    self.faults = []
+    self.faults, self.untimed = [], 0
 
   def run(self, steps: int, warmup: int = 0) -> None:
     """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
+    self.untimed += warmup
     for i in range(warmup + steps):
       t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
       self.state, m = self.compiled(self.state, self.batch)
@@ -116,7 +117,8 @@ class TimedStep:
       return res
     med = statistics.median(self.times)
     res.update(
-        step_times_s=self.times, step_cpu_s=self.cpu_times, step_s_median=med,
+        step_times_s=self.times, untimed_steps=self.untimed, step_cpu_s=self.cpu_times,
+        step_s_median=med,
         step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
         step_minor_faults_median=statistics.median(self.faults),
         tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),

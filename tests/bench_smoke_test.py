@@ -25,7 +25,7 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   out = tmp_path / 'bench_train.json'
   cmd = [sys.executable, '-m', 'experiments.bench_train', '--shapes=nano', '--steps=1',
          '--warmup=1', '--peak_n=256', '--remat=nothing,off', '--loss_chunk=0,5',
-         f'--out={out}']
+         '--rounds=2', '--round_warmup=2', f'--out={out}']
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                         check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -52,7 +52,8 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   assert res['shape'] == 'nano' and 'reference' not in res  # no --reference_dir
   assert res['depths_run'] == [res['depth']]  # the depth really was fixed
   assert res['all_finite']
-  assert len(res['step_times_s']) == 1
+  assert len(res['step_times_s']) == 2  # a timed step per round
+  assert res['untimed_steps'] == 1 + 2  # --warmup, then --round_warmup before round 2
   assert res['step_minor_faults_median'] >= 0  # getrusage's count (0 off POSIX)
   for key in ('tokens_per_step', 'step_s_median', 'tokens_per_s', 'flops_per_token',
               'flops_per_token_forward', 'flops_per_token_hw', 'model_flops_per_s',
@@ -69,7 +70,8 @@ def test_bench_train_writes_positive_numbers(tmp_path):
     ('--remat=some', "--remat: unknown choices ['some']"),
     ('--loss_chunk=-1', '--loss_chunk'),
     ('--micro_batch=-2', '--micro_batch=-2 must be >= 0'),
-    ('--unroll=0', "--unroll: ['0'] must be integers >= 1")])
+    ('--unroll=0', "--unroll: ['0'] must be integers >= 1"),
+    ('--round_warmup=-1', '--round_warmup=-1 must be >= 0')])
 def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
   proc = subprocess.run([sys.executable, '-m', 'experiments.bench_train', '--shapes=nano',
                          flag], cwd=REPO, capture_output=True, text=True, timeout=120,
