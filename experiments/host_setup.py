@@ -1,14 +1,26 @@
-"""Process set-up for `python -m experiments.X` on Linux: huge pages behind large host buffers.
+"""Process set-up for `python -m experiments.X` on Linux: huge pages behind large host
+buffers (and, on request, kept by the process between steps).
 
 XLA:CPU allocates a step's temporaries afresh at every execution (hundreds of MB for a
 training step), and glibc's malloc serves each with a new mmap, so every step faults the
 whole buffer in again, 4 KiB at a time: ~180,000 minor page faults per step of shape S with
 `remat=dots`, ~8% of its CPU time in the kernel. glibc >= 2.35 can back malloc's memory with
 transparent huge pages (the tunable `glibc.malloc.hugetlb=1`), which cuts those faults
-~200-fold. Tunables are read once, when the process starts, so `experiments/__init__.py`
-re-executes the interpreter with the tunable added, before anything heavy is imported, when
-(and only when) the process was started as `python -m experiments.<main>`. Opt out with
-`ED_HUGEPAGES=0`; a tunable already set is left alone.
+~200-fold.
+
+The memory still goes back to the kernel after each step. On a VM that hands freed memory
+back to its host, the first step after a pause of seconds (a sleep, an evaluation, another
+computation) faults it in fresh and spends seconds in the kernel (shape S: a 2 s step took
+4.5-5 s). `ED_KEEP_MEMORY=1` adds three tunables that keep freed memory in the process: one
+arena (`arena_max=1`), no mmap'd chunks (`mmap_max=0`: every buffer from the heap) and no
+heap trimming (`trim_threshold`). Steady steps then fault nothing and a pause costs
+nothing, but the heap takes a few steps to reach its size (each slow) and the process keeps
+its peak; so it is opt-in (WORKSPACE.md, "Huge pages, kept").
+
+Tunables are read once, when the process starts, so `experiments/__init__.py` re-executes
+the interpreter with them added, before anything heavy is imported, when (and only when)
+the process was started as `python -m experiments.<main>`. Opt out with `ED_HUGEPAGES=0`;
+a tunable already set is left alone.
 """
 
 import os
@@ -17,6 +29,9 @@ import sys
 
 TUNABLE = 'glibc.malloc.hugetlb'
 OPT_OUT = 'ED_HUGEPAGES'
+KEEP_OPT_IN = 'ED_KEEP_MEMORY'
+KEEP_TUNABLES = (('glibc.malloc.arena_max', '1'), ('glibc.malloc.mmap_max', '0'),
+                 ('glibc.malloc.trim_threshold', str(1 << 40)))
 THP_MODE = '/sys/kernel/mm/transparent_hugepage/enabled'
 
 
@@ -39,6 +54,11 @@ def thp_mode(path: str = THP_MODE) -> str:
   return text[start + 1:end] if 0 <= start < end else ''
 
 
+def _flag(environ: dict, name: str, default: bool) -> bool:
+  value = environ.get(name, '').strip().lower()
+  return default if not value else value not in ('0', 'false', 'no', 'off')
+
+
 def hugepage_env(environ: dict, system: str, libc: tuple[str, str],
                  thp_mode: str) -> dict | None:
   """The environment to re-execute with, or None when there is nothing to do.
@@ -49,11 +69,12 @@ def hugepage_env(environ: dict, system: str, libc: tuple[str, str],
     libc: platform.libc_ver(), e.g. ('glibc', '2.36').
     thp_mode: the kernel's transparent-huge-page mode (see thp_mode).
   Returns:
-    a copy of environ with `glibc.malloc.hugetlb=1` appended to GLIBC_TUNABLES, or None
-    (not Linux with glibc >= 2.35, huge pages off in the kernel, opted out, or the tunable
-    already given).
+    a copy of environ with `glibc.malloc.hugetlb=1`, and with ED_KEEP_MEMORY=1 the
+    KEEP_TUNABLES, appended to GLIBC_TUNABLES, each unless already named there; or None
+    (not Linux with glibc >= 2.35, huge pages off in the kernel, opted out, or the huge
+    page tunable already given).
   """
-  if environ.get(OPT_OUT, '1').strip().lower() in ('0', 'false', 'no', 'off'):
+  if not _flag(environ, OPT_OUT, True):
     return None
   if system != 'Linux' or libc[0] != 'glibc' or not _glibc_at_least(libc[1]):
     return None
@@ -62,8 +83,11 @@ def hugepage_env(environ: dict, system: str, libc: tuple[str, str],
   tunables = environ.get('GLIBC_TUNABLES', '')
   if TUNABLE in tunables:
     return None
+  named = {t.split('=', 1)[0] for t in tunables.split(':') if t}
+  add = [(TUNABLE, '1')] + ([kv for kv in KEEP_TUNABLES if kv[0] not in named]
+                            if _flag(environ, KEEP_OPT_IN, False) else [])
   env = dict(environ)
-  env['GLIBC_TUNABLES'] = ':'.join(t for t in (tunables, f'{TUNABLE}=1') if t)
+  env['GLIBC_TUNABLES'] = ':'.join([tunables] * bool(tunables) + [f'{k}={v}' for k, v in add])
   return env
 
 

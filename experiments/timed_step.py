@@ -120,7 +120,7 @@ class TimedStep:
         step_times_s=self.times, untimed_steps=self.untimed, step_cpu_s=self.cpu_times,
         step_s_median=med,
         step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
-        step_minor_faults_median=statistics.median(self.faults),
+        step_minor_faults_median=statistics.median(self.faults), step_minor_faults=self.faults,
         tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),
         model_flops_per_s=fl['model'] * tokens / med,
         first_loss=self.losses[0], last_loss=self.losses[-1],

@@ -11,14 +11,54 @@ from experiments import host_setup
 
 GLIBC = ('glibc', '2.36')
 HUGE = 'glibc.malloc.hugetlb=1'
+KEEP = ('glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:'
+        'glibc.malloc.trim_threshold=1099511627776')
+ALL = f'{HUGE}:{KEEP}'
 
 
-def test_env_gains_the_tunable_and_keeps_the_rest():
+def test_env_gains_the_tunables_and_keeps_the_rest():
   env = host_setup.hugepage_env({'PATH': '/bin'}, 'Linux', GLIBC, 'madvise')
   assert env == {'PATH': '/bin', 'GLIBC_TUNABLES': HUGE}
   env = host_setup.hugepage_env({'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'}, 'Linux',
                                 ('glibc', '2.35'), 'always')
   assert env['GLIBC_TUNABLES'] == f'glibc.malloc.arena_max=2:{HUGE}'
+  keep = {host_setup.KEEP_OPT_IN: '1'}
+  env = host_setup.hugepage_env(keep, 'Linux', GLIBC, 'madvise')
+  assert env['GLIBC_TUNABLES'] == ALL
+  # the user's own arena_max stays, and is not named twice
+  env = host_setup.hugepage_env(dict(keep, GLIBC_TUNABLES='glibc.malloc.arena_max=2'),
+                                'Linux', GLIBC, 'madvise')
+  assert env['GLIBC_TUNABLES'] == (f'glibc.malloc.arena_max=2:{HUGE}:glibc.malloc.mmap_max=0:'
+                                   'glibc.malloc.trim_threshold=1099511627776')
+  env = host_setup.hugepage_env({host_setup.KEEP_OPT_IN: '0'}, 'Linux', GLIBC, 'madvise')
+  assert env['GLIBC_TUNABLES'] == HUGE
+
+
+RSS_AFTER_FREE = r"""
+import ctypes, os
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+n = 256 << 20
+p = libc.malloc(ctypes.c_size_t(n))
+ctypes.memset(p, 1, n)
+held = rss()
+libc.free(ctypes.c_void_p(p))
+print((held - rss()) / n)
+"""
+
+
+@pytest.mark.skipif(platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc',
+                    reason='glibc tunables')
+def test_kept_memory_stays_in_the_process_after_free():
+  """With KEEP's tunables a freed 256 MB buffer stays resident (glibc accepted them: it
+  ignores a tunable out of bounds, silently); without them it goes back to the kernel."""
+  env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+  returned = lambda tunables: float(subprocess.run(
+      [sys.executable, '-c', RSS_AFTER_FREE], env=dict(env, GLIBC_TUNABLES=tunables),
+      capture_output=True, text=True, check=True).stdout)
+  assert returned('') > 0.9  # glibc's default: a large chunk is mmap'd, then unmapped
+  assert returned(KEEP) < 0.1
 
 
 @pytest.mark.parametrize('environ,system,libc,thp', [
@@ -69,7 +109,7 @@ def test_module_main_runs_with_the_tunable_in_a_fresh_process(tmp_path):
   (probe / 'show.py').write_text(
       'import os, sys\nprint(os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:])\n')
   env = {k: v for k, v in os.environ.items()
-         if k not in ('GLIBC_TUNABLES', host_setup.OPT_OUT)}
+         if k not in ('GLIBC_TUNABLES', host_setup.OPT_OUT, host_setup.KEEP_OPT_IN)}
   out = subprocess.run([sys.executable, '-m', 'experiments.show', '--a=1', 'b c'],
                        cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
   applies = host_setup.hugepage_env(env, platform.system(), platform.libc_ver(),
