@@ -14,13 +14,16 @@ class Timings(NamedTuple):
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int,
-                warmup: int = 1) -> Timings:
+                warmup: int = 1, settle: int = 0) -> Timings:
   """Times argument-free functions in interleaved rounds (a, b, a, b, ...).
 
   Args:
     fns: name -> function; each call is waited for with jax.block_until_ready.
     repeats: timed rounds; each calls every function once, in order.
     warmup: untimed rounds first (compilation).
+    settle: untimed calls of each function right before its timed one, in every round
+      (a, a, b, b, ... with settle=1): times a function warm, as back-to-back calls run
+      (on a VM, the first call after seconds of other work fetches its freed memory again).
   Returns:
     Timings of the timed rounds.
   """
@@ -32,6 +35,8 @@ def interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int,
   for _ in range(repeats):
     loads.append(os.getloadavg()[0])
     for k, f in fns.items():
+      for _ in range(settle):
+        jax.block_until_ready(f())
       t0 = time.perf_counter()
       jax.block_until_ready(f())
       times[k].append(time.perf_counter() - t0)

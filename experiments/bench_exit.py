@@ -6,7 +6,8 @@
       # a trained checkpoint on its validation tokens, A1 at the eps that matches A0's
       # quality (training-mean depth) within 0.01 nats
 
-Variants, timed interleaved (A0, masked, compacted, A0, ...; medians):
+Variants, timed interleaved (A0, masked, compacted, A0, ...; medians), each call right
+after --settle untimed calls of the same variant (warm memory; see timing.interleaved):
   a0          uniform depth (--depth, or the checkpoint's training mean), no checks;
   a1_masked   exit_loop: every loop runs all B x L tokens, exited ones masked;
   a1_compact  compact_exit_loop: every loop runs only the active tokens.
@@ -54,6 +55,10 @@ _STEPS = flags.DEFINE_integer('compact_steps', 8, 'exit.compact_steps: the compa
                               'buffers are multiples of L / this (and powers of two below).',
                               lower_bound=1)
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).')
+_SETTLE = flags.DEFINE_integer('settle', 1, 'Untimed calls of each variant right before its '
+                               'timed one in every round (timing.interleaved: warm, as '
+                               'back-to-back batches run; 0: cold, as before 2026-12-04).',
+                               lower_bound=0)
 _MIN_TOKENS = flags.DEFINE_integer('min_tokens', 4096, 'With --workdir: validation tokens '
                                    'per timed batch, at least.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_exit.json', 'JSON output (markdown beside it).')
@@ -115,7 +120,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
     first_s[k] = time.perf_counter() - t0
     print(f'{name}: {k} compiled and run once in {first_s[k]:.1f} s', flush=True)
   times, loads = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
-                                    _REPEATS.value, warmup=0)
+                                    _REPEATS.value, warmup=0, settle=_SETTLE.value)
   med = {k: statistics.median(v) for k, v in times.items()}
   m, c = outs['a1_masked'].aux, outs['a1_compact'].aux
   assert np.array_equal(np.asarray(m.depth), np.asarray(c.depth)), 'engines disagree'
@@ -152,7 +157,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
               policy=_POLICY.value,
               fake_exit_fraction=fake, eps=ecfg.eps, variants=rows,
               active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
-              loadavg_per_repeat=loads, compact_steps=_STEPS.value,
+              loadavg_per_repeat=loads, compact_steps=_STEPS.value, settle=_SETTLE.value,
               capacities=recurrence.capacities(l, _STEPS.value))
 
 

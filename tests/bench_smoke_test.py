@@ -188,6 +188,7 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert v['a1_masked']['core_keys'] == 16
   assert 16 / 2 < v['a1_compact']['core_keys'] <= 16
   assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5
+  assert r['settle'] == 1  # each timed call right after an untimed one of its own
 
 
 @pytest.mark.parametrize('name,family', [  # kernel names from a 135M step's trace on an H200

@@ -27,3 +27,22 @@ def test_no_warmup_times_every_call():
   log = []
   t = timing.interleaved({'f': lambda: log.append(1)}, repeats=4, warmup=0)
   assert len(log) == 4 and len(t.times['f']) == 4
+
+
+def test_settle_times_each_function_right_after_an_untimed_call_of_itself():
+  """A function slow only when another ran before it (cold) is timed warm with settle."""
+  log = []
+
+  def make(name):
+    def f():
+      if log and log[-1] != name:  # the first call after another function's: slow
+        time.sleep(0.05)
+      log.append(name)
+    return f
+  fns = {'a': make('a'), 'b': make('b')}
+  cold = timing.interleaved(fns, repeats=3, warmup=0)
+  assert all(s >= 0.05 for s in cold.times['b'])  # each timed call followed the other
+  log.clear()
+  warm = timing.interleaved(fns, repeats=3, warmup=0, settle=1)
+  assert log == ['a', 'a', 'b', 'b'] * 3
+  assert all(s < 0.05 for v in warm.times.values() for s in v)
