@@ -119,3 +119,7 @@ def test_module_main_runs_with_the_tunable_in_a_fresh_process(tmp_path):
                        env=dict(env, **{host_setup.OPT_OUT: '0'}), capture_output=True,
                        text=True, check=True)
   assert out.stdout.strip() == '[]'
+  out = subprocess.run([sys.executable, '-m', 'experiments.show'], cwd=tmp_path,
+                       env=dict(env, **{host_setup.KEEP_OPT_IN: '1'}), capture_output=True,
+                       text=True, check=True)
+  assert out.stdout.strip() == f"{ALL if applies else ''} []"
