@@ -6,8 +6,8 @@
       # a trained checkpoint on its validation tokens, A1 at the eps that matches A0's
       # quality (training-mean depth) within 0.01 nats
 
-Variants, timed interleaved (A0, masked, compacted, A0, ...; medians), each call right
-after --settle untimed calls of the same variant (warm memory; see timing.interleaved):
+Variants, timed interleaved (A0, masked, compacted, A0, ...; medians; --settle=N: each
+timed call right after N untimed calls of the same variant, see timing.interleaved):
   a0          uniform depth (--depth, or the checkpoint's training mean), no checks;
   a1_masked   exit_loop: every loop runs all B x L tokens, exited ones masked;
   a1_compact  compact_exit_loop: every loop runs only the active tokens.
@@ -55,10 +55,10 @@ _STEPS = flags.DEFINE_integer('compact_steps', 8, 'exit.compact_steps: the compa
                               'buffers are multiples of L / this (and powers of two below).',
                               lower_bound=1)
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).')
-_SETTLE = flags.DEFINE_integer('settle', 1, 'Untimed calls of each variant right before its '
+_SETTLE = flags.DEFINE_integer('settle', 0, 'Untimed calls of each variant right before its '
                                'timed one in every round (timing.interleaved: warm, as '
-                               'back-to-back batches run; 0: cold, as before 2026-12-04).',
-                               lower_bound=0)
+                               'back-to-back batches run; it did not narrow the spread at P '
+                               'on 2026-12-04, WORKSPACE.md).', lower_bound=0)
 _MIN_TOKENS = flags.DEFINE_integer('min_tokens', 4096, 'With --workdir: validation tokens '
                                    'per timed batch, at least.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_exit.json', 'JSON output (markdown beside it).')

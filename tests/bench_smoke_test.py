@@ -171,7 +171,7 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   out = tmp_path / 'exit.json'
   proc = subprocess.run(
       [sys.executable, '-m', 'experiments.bench_exit', '--shapes=nano', '--batch=2',
-       '--seq_len=16', '--depth=4', '--repeats=1', f'--out={out}'],
+       '--seq_len=16', '--depth=4', '--repeats=1', '--settle=1', f'--out={out}'],
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())['runs']['nano']
@@ -188,7 +188,7 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert v['a1_masked']['core_keys'] == 16
   assert 16 / 2 < v['a1_compact']['core_keys'] <= 16
   assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5
-  assert r['settle'] == 1  # each timed call right after an untimed one of its own
+  assert r['settle'] == 1  # recorded: each timed call right after an untimed one of its own
 
 
 @pytest.mark.parametrize('name,family', [  # kernel names from a 135M step's trace on an H200
