@@ -17,9 +17,7 @@ per step at r=8 (bench_train's shape `Pmha` is our model with 9 kv heads, for pa
 
 import importlib
 import os
-import statistics
 import sys
-import time
 import types
 
 from experiments import bench_util
@@ -72,12 +70,13 @@ def reference_config(mod, model: dict, seq_len: int, r: int):
       torch_dtype='float32')
 
 
-class ReferenceStep:
+class ReferenceStep(bench_util.StepTimer):
   """The reference's model and AdamW at one of our shapes; times its training step."""
 
   def __init__(self, path: str, model: dict, *, seq_len: int, batch_size: int, r: int,
                threads: int = 2, lr: float = 1e-3, seed: int = 0):
     import torch  # pylint: disable=g-import-not-at-top
+    super().__init__()
     self.torch, mod = torch, load_reference(path)
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -90,8 +89,6 @@ class ReferenceStep:
     self.inputs = torch.randint(0, model['vocab_size'], shape, generator=g)
     self.targets = torch.randint(0, model['vocab_size'], shape, generator=g)
     self.r, self.threads, self.tokens = r, threads, batch_size * seq_len
-    self.times, self.cpu_times, self.losses, self.faults = [], [], [], []
-    self.untimed = 0
 
   def step(self) -> float:
     """One training step: forward through r loops with gradient, backward, clip, AdamW."""
@@ -102,28 +99,10 @@ class ReferenceStep:
     self.opt.zero_grad(set_to_none=True)
     return float(out.loss.detach())
 
-  def run(self, steps: int, warmup: int = 0) -> None:
-    """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
-    self.untimed += warmup
-    for i in range(warmup + steps):
-      t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
-      self.losses.append(self.step())
-      if i >= warmup:
-        self.times.append(time.perf_counter() - t0)
-        self.cpu_times.append(time.process_time() - c0)
-        self.faults.append(bench_util.minor_faults() - f0)
-
   def result(self) -> dict:
     """The JSON record: settings, step times and tokens/s (median)."""
-    med = statistics.median(self.times)
     return dict(implementation='Huginn recpre/raven_modeling_minimal.RavenForCausalLM',
                 torch_version=self.torch.__version__, threads=self.threads,
                 params=sum(p.numel() for p in self.net.parameters()),
                 num_kv_heads=self.cfg.num_key_value_heads, gradient_checkpointing=False,
-                steps_with_grad=self.r, step_times_s=self.times, untimed_steps=self.untimed,
-                step_cpu_s=self.cpu_times,
-                step_s_median=med, step_s_min=min(self.times),
-                step_cpu_s_median=statistics.median(self.cpu_times),
-                step_minor_faults_median=statistics.median(self.faults),
-                tokens_per_s=self.tokens / med, first_loss=self.losses[0],
-                last_loss=self.losses[-1])
+                steps_with_grad=self.r, **self.timing(self.tokens))

@@ -183,7 +183,7 @@ def bench_shape(name: str, steps: int, warmup: int, rounds: int = 1) -> list[dic
   sh = SHAPES[name]
   r, dtype = FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype
   timed = sh.timed_on_cpu or jax.default_backend() != 'cpu'
-  ours = [timed_step.TimedStep(name, shape_config(name, r, dtype, c, n, a, u), r, c, timed)
+  ours = [timed_step.TimedStep(name, shape_config(name, r, dtype, c, n, a, u), timed)
           for c, n, a, u in variants(name)]
   ref = None
   if FLAGS.reference_dir and name in REFERENCE_SHAPES:

@@ -5,6 +5,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 
 from elastic_depth import timing
 
@@ -108,3 +109,35 @@ def busy_processes(limit: int = 8) -> list[str]:
   me = str(os.getpid())
   rows = [l.strip()[:160] for l in out if l.split(None, 1)[0] != me]
   return rows[:limit]
+
+
+class StepTimer:
+  """Times a training step: `step()` (returns the loss, blocking) in warm-up and timed calls."""
+
+  def __init__(self):
+    self.times, self.cpu_times, self.losses, self.faults, self.untimed = [], [], [], [], 0
+
+  def step(self) -> float:
+    raise NotImplementedError
+
+  def run(self, steps: int, warmup: int = 0) -> None:
+    """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
+    self.untimed += warmup
+    for i in range(warmup + steps):
+      t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
+      self.losses.append(self.step())
+      dt, dc = time.perf_counter() - t0, time.process_time() - c0
+      if i >= warmup:
+        self.times.append(dt)
+        self.cpu_times.append(dc)
+        self.faults.append(minor_faults() - f0)
+
+  def timing(self, tokens: int) -> dict:
+    """The timed steps' JSON fields (medians; tokens: per step)."""
+    med = statistics.median(self.times)
+    return dict(step_times_s=self.times, untimed_steps=self.untimed, step_cpu_s=self.cpu_times,
+                step_s_median=med, step_s_min=min(self.times),
+                step_cpu_s_median=statistics.median(self.cpu_times),
+                step_minor_faults_median=statistics.median(self.faults),
+                step_minor_faults=self.faults, tokens_per_s=tokens / med,
+                first_loss=self.losses[0], last_loss=self.losses[-1])

@@ -160,10 +160,9 @@ def profile_shape(name: str, remat: str, steps: int, attention_impl: str = 'auto
                   loss_chunk: int | None = None, unroll: int = 1) -> dict:
   """Traces `steps` steps of one shape and returns the time breakdown (seconds per step)."""
   sh = bench_train.SHAPES[name]
-  r = FLAGS.depth or sh.r
-  cfg = bench_train.shape_config(name, r, FLAGS.dtype or sh.dtype, remat, loss_chunk,
-                                 attention_impl, unroll)
-  ours = timed_step.TimedStep(name, cfg, r, remat, True)
+  cfg = bench_train.shape_config(name, FLAGS.depth or sh.r, FLAGS.dtype or sh.dtype, remat,
+                                 loss_chunk, attention_impl, unroll)
+  ours = timed_step.TimedStep(name, cfg, True)
   ours.run(0, warmup=1)
   text = ours.compiled.as_text()
   ops = hlo_ops(text)

@@ -38,13 +38,15 @@ def random_batch(cfg: config_lib.Config, seed: int = 0) -> dict:
               mask=np.ones(shape, np.float32))
 
 
-class TimedStep:
+class TimedStep(bench_util.StepTimer):
   """The library's train step of one Config, compiled; times steps on demand."""
 
-  def __init__(self, name: str, cfg: config_lib.Config, r: int, remat: str, timed: bool):
-    """`name` labels the shape, r is the depth cfg runs, remat the bench's remat choice
-    (a RematPolicy value or 'off'); timed=False compiles abstractly (nothing allocated)."""
-    self.name, self.r, self.remat, self.cfg = name, r, remat, cfg
+  def __init__(self, name: str, cfg: config_lib.Config, timed: bool):
+    """`name` labels the shape; timed=False compiles abstractly (nothing allocated)."""
+    super().__init__()
+    self.name, self.cfg, self.r = name, cfg, cfg.depth.r_max  # a single bucket (r,)
+    self.remat = (config_lib.RematPolicy(cfg.depth.remat_policy).value if cfg.depth.remat
+                  else 'off')
     self.accum = config_lib.grad_accum_steps(cfg.train)
     self.tokens = self.accum * cfg.train.batch_size * cfg.train.seq_len
     mesh = distributed.make_mesh(jax.devices()[:1])
@@ -59,23 +61,14 @@ class TimedStep:
     else:  # nothing allocated: FLOPs and memory only
       self.compiled = dry_run.compile_abstract(cfg, mesh)
     self.compile_s = time.perf_counter() - t0
-    self.times, self.cpu_times, self.losses, self.depths = [], [], [], set()
-    self.faults, self.untimed = [], 0
+    self.depths = set()
 
-  def run(self, steps: int, warmup: int = 0) -> None:
-    """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
-    self.untimed += warmup
-    for i in range(warmup + steps):
-      t0, c0, f0 = time.perf_counter(), time.process_time(), bench_util.minor_faults()
-      self.state, m = self.compiled(self.state, self.batch)
-      loss = float(m['loss'])  # blocks
-      dt, dc = time.perf_counter() - t0, time.process_time() - c0
-      self.losses.append(loss)
-      self.depths.add(int(m['bucket']))
-      if i >= warmup:
-        self.times.append(dt)
-        self.cpu_times.append(dc)
-        self.faults.append(bench_util.minor_faults() - f0)
+  def step(self) -> float:
+    """One step (blocks on its loss); records the depth bucket it ran."""
+    self.state, m = self.compiled(self.state, self.batch)
+    loss = float(m['loss'])
+    self.depths.add(int(m['bucket']))
+    return loss
 
   def compiled_figures(self) -> dict:
     """XLA's cost (FLOPs per step, incl. remat) and memory analysis of the compiled step."""
@@ -117,13 +110,8 @@ class TimedStep:
       return res
     med = statistics.median(self.times)
     res.update(
-        step_times_s=self.times, untimed_steps=self.untimed, step_cpu_s=self.cpu_times,
-        step_s_median=med,
-        step_s_min=min(self.times), step_cpu_s_median=statistics.median(self.cpu_times),
-        step_minor_faults_median=statistics.median(self.faults), step_minor_faults=self.faults,
-        tokens_per_s=tokens / med, tokens_per_s_best=tokens / min(self.times),
+        **self.timing(tokens), tokens_per_s_best=tokens / min(self.times),
         model_flops_per_s=fl['model'] * tokens / med,
-        first_loss=self.losses[0], last_loss=self.losses[-1],
         all_finite=bool(np.all(np.isfinite(self.losses))), depths_run=sorted(self.depths),
         hw_flops_per_s=fl['hw'] * tokens / med)
     return res
