@@ -24,6 +24,10 @@ an event log in tests/accounting_test.py) through `books.executed_flops`
 products as each engine ran them, the compacted engine's buffer padding included
 (`active_gflop`: the active tokens' share alone).
 realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against masked.
+Each variant also records every timed call's user and kernel CPU seconds and minor page
+faults (`timing.Usage`): kernel time is where this VM's refetch of freed memory shows.
+This main keeps freed memory in the process by default (experiments/host_setup.py,
+`ED_KEEP_MEMORY=0` to turn it off) and runs --warmup_rounds untimed rounds first.
 """
 
 import dataclasses
@@ -59,6 +63,9 @@ _SETTLE = flags.DEFINE_integer('settle', 0, 'Untimed calls of each variant right
                                'timed one in every round (timing.interleaved: warm, as '
                                'back-to-back batches run; it did not narrow the spread at P '
                                'on 2026-12-04, WORKSPACE.md).', lower_bound=0)
+_WARMUP = flags.DEFINE_integer('warmup_rounds', 1, 'Untimed interleaved rounds after each '
+                               'variant\'s first call (a kept heap grows to its size there).',
+                               lower_bound=0)
 _MIN_TOKENS = flags.DEFINE_integer('min_tokens', 4096, 'With --workdir: validation tokens '
                                    'per timed batch, at least.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_exit.json', 'JSON output (markdown beside it).')
@@ -104,6 +111,16 @@ def paired_saving(times, base_times) -> float:
   return statistics.median(1.0 - t / b for t, b in zip(times, base_times))
 
 
+def _usage(calls) -> dict:
+  """Per timed call: user and kernel CPU seconds and minor page faults (lists and medians)."""
+  out = {}
+  for field in timing.Usage._fields:
+    vals = [getattr(u, field) for u in calls]
+    out[f'{field}_per_call'] = vals
+    out[f'{field}_median'] = statistics.median(vals)
+  return out
+
+
 def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   """Times the three variants interleaved and does the books."""
   b, l = toks.shape
@@ -119,8 +136,9 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
     outs[k] = jax.block_until_ready(f(toks))
     first_s[k] = time.perf_counter() - t0
     print(f'{name}: {k} compiled and run once in {first_s[k]:.1f} s', flush=True)
-  times, loads = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
-                                    _REPEATS.value, warmup=0, settle=_SETTLE.value)
+  timed = timing.interleaved({k: functools.partial(f, toks) for k, f in fns.items()},
+                             _REPEATS.value, warmup=_WARMUP.value, settle=_SETTLE.value)
+  times, loads = timed.times, timed.loads
   med = {k: statistics.median(v) for k, v in times.items()}
   m, c = outs['a1_masked'].aux, outs['a1_compact'].aux
   assert np.array_equal(np.asarray(m.depth), np.asarray(c.depth)), 'engines disagree'
@@ -143,12 +161,13 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
           'a1_compact': float(c.counts.core_keys)}  # per core query, as executed
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
                   tokens_per_s=n / med[k], core_keys=keys[k], first_call_s=first_s[k],
-                  executed_gflop=flops[k] / 1e9) for k in fns}
+                  executed_gflop=flops[k] / 1e9, **_usage(timed.usage[k])) for k in fns}
   print(f'{name}: load {statistics.median(loads):.1f}  mean loops {mean_loops:.2f}'
         f' of {depth}', flush=True)
   for k, r in rows.items():
     print(f'  {k:10s} {r["median_s"]:7.3f} s  {r["tokens_per_s"]:9.0f} tok/s  '
-          f'{r["executed_gflop"]:8.1f} GFLOP', flush=True)
+          f'{r["executed_gflop"]:8.1f} GFLOP  cpu {r["user_s_median"]:.2f} user + '
+          f'{r["sys_s_median"]:.2f} sys s, {r["minor_faults_median"]:.0f} faults', flush=True)
   for k, r in ratios.items():
     print(f'  compact {k}: wall saving {r["wall_saving"]:.1%}, FLOP saving '
           f'{r["flop_saving"]:.1%}, realized/FLOP {r["realized_over_flop"]} (min-based '
@@ -158,6 +177,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
               fake_exit_fraction=fake, eps=ecfg.eps, variants=rows,
               active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
               loadavg_per_repeat=loads, compact_steps=_STEPS.value, settle=_SETTLE.value,
+              warmup_rounds=_WARMUP.value,
               capacities=recurrence.capacities(l, _STEPS.value))
 
 
@@ -225,14 +245,17 @@ def _checkpoint_run(workdir: str):
 def markdown(out: dict) -> str:
   """The figures as a markdown table."""
   lines = [f'# bench_exit ({out["date"]}, {out["machine"]})', '',
-           '| shape | policy | variant | median s | min s | tokens/s | executed GFLOP | load |',
-           '|---|---|---|---|---|---|---|---|']
+           '| shape | policy | variant | median s | min s | tokens/s | executed GFLOP | load | '
+           'sys s / faults per call (median) |',
+           '|---|---|---|---|---|---|---|---|---|']
   for name, r in out['runs'].items():
     load = statistics.median(r['loadavg_per_repeat'])
     for k, v in r['variants'].items():
       lines.append(f'| {name} | {r["policy"]} | {k} | {v["median_s"]:.3f} | {v["min_s"]:.3f} | '
                    f'{v["tokens_per_s"]:.0f} | '
-                   f'{v["executed_gflop"]:.1f} | {load:.1f} |')
+                   f'{v["executed_gflop"]:.1f} | {load:.1f} | '
+                   f'{v.get("sys_s_median", float("nan")):.2f} / '
+                   f'{v.get("minor_faults_median", float("nan")):.0f} |')
   for name, r in out['runs'].items():
     q = r.get('quality')
     if q:

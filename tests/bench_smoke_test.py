@@ -171,7 +171,8 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   out = tmp_path / 'exit.json'
   proc = subprocess.run(
       [sys.executable, '-m', 'experiments.bench_exit', '--shapes=nano', '--batch=2',
-       '--seq_len=16', '--depth=4', '--repeats=1', '--settle=1', f'--out={out}'],
+       '--seq_len=16', '--depth=4', '--repeats=1', '--settle=1', '--warmup_rounds=0',
+       f'--out={out}'],
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())['runs']['nano']
@@ -189,6 +190,10 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert 16 / 2 < v['a1_compact']['core_keys'] <= 16
   assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5
   assert r['settle'] == 1  # recorded: each timed call right after an untimed one of its own
+  assert r['warmup_rounds'] == 0
+  for x in v.values():  # every timed call's CPU time and page faults, beside its wall time
+    assert len(x['sys_s_per_call']) == len(x['minor_faults_per_call']) == len(x['times_s'])
+    assert x['user_s_median'] + x['sys_s_median'] > 0 and x['minor_faults_median'] >= 0
 
 
 @pytest.mark.parametrize('name,family', [  # kernel names from a 135M step's trace on an H200

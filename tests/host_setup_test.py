@@ -32,6 +32,13 @@ def test_env_gains_the_tunables_and_keeps_the_rest():
                                    'glibc.malloc.trim_threshold=1099511627776')
   env = host_setup.hugepage_env({host_setup.KEEP_OPT_IN: '0'}, 'Linux', GLIBC, 'madvise')
   assert env['GLIBC_TUNABLES'] == HUGE
+  # the timed-inference mains keep memory unless told not to; the others only on request
+  for main in host_setup.KEEP_BY_DEFAULT:
+    assert host_setup.hugepage_env({}, 'Linux', GLIBC, 'madvise', main)['GLIBC_TUNABLES'] == ALL
+    env = host_setup.hugepage_env({host_setup.KEEP_OPT_IN: '0'}, 'Linux', GLIBC, 'madvise', main)
+    assert env['GLIBC_TUNABLES'] == HUGE
+  env = host_setup.hugepage_env({}, 'Linux', GLIBC, 'madvise', 'experiments.pretrain')
+  assert env['GLIBC_TUNABLES'] == HUGE
 
 
 RSS_AFTER_FREE = r"""
@@ -78,13 +85,14 @@ def test_nothing_to_do(environ, system, libc, thp):
 
 def test_only_a_module_main_of_this_package_reexecutes():
   py = '/usr/bin/python3'
-  assert host_setup.started_as_module_main(['-m'], [py, '-m', 'experiments.pretrain', '--x'])
-  assert not host_setup.started_as_module_main(['-m'], [py, '-m', 'pytest', '-q'])
-  assert not host_setup.started_as_module_main(['/x/pytest'], [py, '/x/pytest', '-q'])
+  assert host_setup.module_main(['-m'], [py, '-m', 'experiments.pretrain', '--x']) == (
+      'experiments.pretrain')
+  assert not host_setup.module_main(['-m'], [py, '-m', 'pytest', '-q'])
+  assert not host_setup.module_main(['/x/pytest'], [py, '/x/pytest', '-q'])
   # after the module was found argv[0] is its path: an import then changes nothing
-  assert not host_setup.started_as_module_main(['/r/experiments/pretrain.py'],
+  assert not host_setup.module_main(['/r/experiments/pretrain.py'],
                                                [py, '-m', 'experiments.pretrain'])
-  assert not host_setup.started_as_module_main([], [])
+  assert not host_setup.module_main([], [])
 
 
 def test_thp_mode_reads_the_bracketed_choice(tmp_path):
@@ -108,6 +116,7 @@ def test_module_main_runs_with_the_tunable_in_a_fresh_process(tmp_path):
       open(host_setup.__file__, encoding='utf-8').read())
   (probe / 'show.py').write_text(
       'import os, sys\nprint(os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:])\n')
+  (probe / 'bench_exit.py').write_text((probe / 'show.py').read_text())  # a KEEP_BY_DEFAULT main
   env = {k: v for k, v in os.environ.items()
          if k not in ('GLIBC_TUNABLES', host_setup.OPT_OUT, host_setup.KEEP_OPT_IN)}
   out = subprocess.run([sys.executable, '-m', 'experiments.show', '--a=1', 'b c'],
@@ -122,4 +131,7 @@ def test_module_main_runs_with_the_tunable_in_a_fresh_process(tmp_path):
   out = subprocess.run([sys.executable, '-m', 'experiments.show'], cwd=tmp_path,
                        env=dict(env, **{host_setup.KEEP_OPT_IN: '1'}), capture_output=True,
                        text=True, check=True)
+  assert out.stdout.strip() == f"{ALL if applies else ''} []"
+  out = subprocess.run([sys.executable, '-m', 'experiments.bench_exit'], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, check=True)
   assert out.stdout.strip() == f"{ALL if applies else ''} []"

@@ -46,3 +46,25 @@ def test_settle_times_each_function_right_after_an_untimed_call_of_itself():
   warm = timing.interleaved(fns, repeats=3, warmup=0, settle=1)
   assert log == ['a', 'a', 'b', 'b'] * 3
   assert all(s < 0.05 for v in warm.times.values() for s in v)
+
+
+def test_each_timed_call_reports_the_cpu_time_and_faults_it_caused():
+  """A call that touches fresh memory shows its pages; one that spins shows user time."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def touch():  # 64 MiB mapped and written afresh at every call
+    a = np.empty(64 << 20, np.uint8)
+    a[::4096] = 1
+    return jnp.ones(1)
+
+  def spin():
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.05:
+      pass
+    return jnp.ones(1)
+  t = timing.interleaved({'touch': touch, 'spin': spin}, repeats=3, warmup=1)
+  assert set(t.usage) == {'touch', 'spin'} and all(len(v) == 3 for v in t.usage.values())
+  # 16,384 4-KiB pages (fewer if malloc hands out huge pages, never none)
+  assert all(u.minor_faults >= 32 for u in t.usage['touch'])
+  assert all(u.user_s + u.sys_s >= 0.04 for u in t.usage['spin'])
+  assert all(u.minor_faults < 32 for u in t.usage['spin'])
