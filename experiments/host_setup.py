@@ -1,5 +1,5 @@
 """Process set-up for `python -m experiments.X` on Linux: huge pages behind large host
-buffers (and, on request, kept by the process between steps).
+buffers, kept by the process between calls on request or by default for some mains.
 
 XLA:CPU allocates a step's temporaries afresh at every execution (hundreds of MB for a
 training step), and glibc's malloc serves each with a new mmap, so every step faults the
@@ -19,8 +19,9 @@ its peak; so it is opt-in for training, and on by default for the mains in KEEP_
 (`ED_KEEP_MEMORY=0` turns it off there). Those time repeated inference forwards whose
 buffers glibc otherwise hands back between calls: a forward of the 135M blocks on 4,096
 tokens faulted 100,000-450,000 pages per call on the 2-core VM, 4-6.6 s of kernel time in a
-10 s call, and ran 26% faster with the memory kept (WORKSPACE.md, "Compacted scoring",
-thirteenth session).
+10 s call, and ran ~25% faster with the memory kept (WORKSPACE.md, "Compacted scoring",
+thirteenth session): XLA's worker threads there create and delete glibc thread-arena heaps
+some 400 times per call, each faulted in afresh.
 
 Tunables are read once, when the process starts, so `experiments/__init__.py` re-executes
 the interpreter with them added, before anything heavy is imported, when (and only when)
