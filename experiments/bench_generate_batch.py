@@ -119,21 +119,26 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
                                                           compact=False)),
          'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
   rows = {}
-  times = timing.interleaved({k: functools.partial(f, prompts) for k, f in fns.items()},
-                              _F.repeats).times
+  timed = timing.interleaved({k: functools.partial(f, prompts) for k, f in fns.items()},
+                             _F.repeats)
+  times = timed.times
   for key, fn in fns.items():
     out = fn(prompts)
     served = isinstance(out, serving.Generation)
     depth = out.depth if served else out[1]
     rows[key] = _row(b * n, statistics.median(times[key]), depth, rows.get('a0'))
     rows[key]['min_s'] = min(times[key])
+    rows[key]['sys_s_median'] = statistics.median(u.sys_s for u in timed.usage[key])
+    rows[key]['minor_faults_median'] = statistics.median(
+        u.minor_faults for u in timed.usage[key])
     if served:  # serving's books
       c = out.counts
       rows[key].update(engine_steps=int(c.steps),
                        row_utilisation=int(c.active_rows) / int(c.core_rows),
                        readout_rows=int(c.readout_rows), prelude_rows=int(c.prelude_rows))
     print(f'B={b:3d} {key:13s} {rows[key]["tokens_per_s"]:9.1f} tok/s  loops '
-          f'{rows[key]["mean_loops"]:.2f}', flush=True)
+          f'{rows[key]["mean_loops"]:.2f}  kernel {rows[key]["sys_s_median"]:.3f} s, '
+          f'{rows[key]["minor_faults_median"]:.0f} faults per call', flush=True)
   return rows
 
 

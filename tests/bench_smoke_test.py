@@ -140,6 +140,7 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
     assert a1['loop_saving'] == pytest.approx(1 - a1['mean_loops'] / 8)
     assert a1['time_saving'] == pytest.approx(1 - a1['seconds'] / a0['seconds'])
     assert 0 < a1['row_utilisation'] <= 1
+    assert all(r['sys_s_median'] >= 0 and r['minor_faults_median'] >= 0 for r in rows.values())
   # the depth-wise (compacted or not) and lockstep engines run the same tokens to the same depths
   al = rows['a1_allrows']
   assert rows['a1_lockstep']['mean_loops'] == a1['mean_loops'] == al['mean_loops']
