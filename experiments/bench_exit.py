@@ -111,16 +111,6 @@ def paired_saving(times, base_times) -> float:
   return statistics.median(1.0 - t / b for t, b in zip(times, base_times))
 
 
-def _usage(calls) -> dict:
-  """Per timed call: user and kernel CPU seconds and minor page faults (lists and medians)."""
-  out = {}
-  for field in timing.Usage._fields:
-    vals = [getattr(u, field) for u in calls]
-    out[f'{field}_per_call'] = vals
-    out[f'{field}_median'] = statistics.median(vals)
-  return out
-
-
 def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   """Times the three variants interleaved and does the books."""
   b, l = toks.shape
@@ -161,7 +151,8 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
           'a1_compact': float(c.counts.core_keys)}  # per core query, as executed
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
                   tokens_per_s=n / med[k], core_keys=keys[k], first_call_s=first_s[k],
-                  executed_gflop=flops[k] / 1e9, **_usage(timed.usage[k])) for k in fns}
+                  executed_gflop=flops[k] / 1e9, **bench_util.usage_fields(timed.usage[k]))
+          for k in fns}
   print(f'{name}: load {statistics.median(loads):.1f}  mean loops {mean_loops:.2f}'
         f' of {depth}', flush=True)
   for k, r in rows.items():

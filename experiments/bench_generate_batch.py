@@ -128,9 +128,7 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
     depth = out.depth if served else out[1]
     rows[key] = _row(b * n, statistics.median(times[key]), depth, rows.get('a0'))
     rows[key]['min_s'] = min(times[key])
-    rows[key]['sys_s_median'] = statistics.median(u.sys_s for u in timed.usage[key])
-    rows[key]['minor_faults_median'] = statistics.median(
-        u.minor_faults for u in timed.usage[key])
+    rows[key].update(bench_util.usage_fields(timed.usage[key], per_call=False))
     if served:  # serving's books
       c = out.counts
       rows[key].update(engine_steps=int(c.steps),

@@ -59,6 +59,17 @@ def minor_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def usage_fields(calls, per_call: bool = True) -> dict:
+  """JSON fields of timed calls' timing.Usage: `<field>_median` (and `<field>_per_call`)."""
+  out = {}
+  for field in timing.Usage._fields:
+    vals = [getattr(u, field) for u in calls]
+    if per_call:
+      out[f'{field}_per_call'] = vals
+    out[f'{field}_median'] = statistics.median(vals)
+  return out
+
+
 def glibc_tunables() -> str:
   """GLIBC_TUNABLES of this process (huge pages or not: experiments.host_setup), for the record."""
   return os.environ.get('GLIBC_TUNABLES', '')

@@ -67,4 +67,5 @@ def test_each_timed_call_reports_the_cpu_time_and_faults_it_caused():
   # 16,384 4-KiB pages (fewer if malloc hands out huge pages, never none)
   assert all(u.minor_faults >= 32 for u in t.usage['touch'])
   assert all(u.user_s + u.sys_s >= 0.04 for u in t.usage['spin'])
-  assert all(u.minor_faults < 32 for u in t.usage['spin'])
+  assert max(u.minor_faults for u in t.usage['spin']) < min(
+      u.minor_faults for u in t.usage['touch'])
