@@ -1,7 +1,6 @@
 """Wall-clock timing shared by `analysis.wall_clock` and the benchmarks (experiments/)."""
 
 import os
-import resource
 import time
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -23,18 +22,22 @@ class Usage(NamedTuple):
 
 
 def _rusage() -> tuple[float, float, int]:
+  try:
+    import resource  # pylint: disable=g-import-not-at-top  (POSIX only)
+  except ImportError:
+    return 0.0, 0.0, 0
   r = resource.getrusage(resource.RUSAGE_SELF)
   return r.ru_utime, r.ru_stime, r.ru_minflt
 
 
-def call_usage(f: Callable[[], Any]) -> tuple[float, Usage]:
-  """Calls f, waits for its result, and returns (wall seconds, Usage of the call)."""
+def call_usage(f: Callable[[], Any]) -> tuple[Any, float, Usage]:
+  """Calls f, waits for its result, and returns (result, wall seconds, Usage of the call)."""
   u0 = _rusage()
   t0 = time.perf_counter()
-  jax.block_until_ready(f())
+  out = jax.block_until_ready(f())
   wall = time.perf_counter() - t0
   u1 = _rusage()
-  return wall, Usage(u1[0] - u0[0], u1[1] - u0[1], u1[2] - u0[2])
+  return out, wall, Usage(u1[0] - u0[0], u1[1] - u0[1], u1[2] - u0[2])
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int,
@@ -62,7 +65,7 @@ def interleaved(fns: Mapping[str, Callable[[], Any]], repeats: int,
     for k, f in fns.items():
       for _ in range(settle):
         jax.block_until_ready(f())
-      wall, use = call_usage(f)
+      _, wall, use = call_usage(f)
       times[k].append(wall)
       usage[k].append(use)
   return Timings(times, loads, usage)

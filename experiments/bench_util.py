@@ -5,7 +5,6 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 
 from elastic_depth import timing
 
@@ -48,15 +47,6 @@ def machine_description() -> str:
   if jax.default_backend() == 'cpu':
     return cpu_description()
   return f'{jax.devices()[0].device_kind} (host: {cpu_description()})'
-
-
-def minor_faults() -> int:
-  """Minor page faults of this process so far (per-step deltas show buffers mapped afresh)."""
-  try:
-    import resource  # pylint: disable=g-import-not-at-top  (POSIX only)
-  except ImportError:
-    return 0
-  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def usage_fields(calls, per_call: bool = True) -> dict:
@@ -135,13 +125,12 @@ class StepTimer:
     """Runs warmup + steps steps; records the timed ones (wall and process CPU seconds)."""
     self.untimed += warmup
     for i in range(warmup + steps):
-      t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
-      self.losses.append(self.step())
-      dt, dc = time.perf_counter() - t0, time.process_time() - c0
+      loss, dt, use = timing.call_usage(self.step)
+      self.losses.append(loss)
       if i >= warmup:
         self.times.append(dt)
-        self.cpu_times.append(dc)
-        self.faults.append(minor_faults() - f0)
+        self.cpu_times.append(use.user_s + use.sys_s)
+        self.faults.append(use.minor_faults)
 
   def timing(self, tokens: int) -> dict:
     """The timed steps' JSON fields (medians; tokens: per step)."""

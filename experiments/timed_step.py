@@ -1,6 +1,5 @@
 """A compiled training step that times itself, and its FLOP books (bench_train, profile_train)."""
 
-import statistics
 import time
 
 import jax
@@ -108,9 +107,10 @@ class TimedStep(bench_util.StepTimer):
       res['compiled_flops_per_token'] = res['compiled_flops_per_step'] / tokens
     if not self.times:
       return res
-    med = statistics.median(self.times)
+    res.update(self.timing(tokens))
+    med = res['step_s_median']
     res.update(
-        **self.timing(tokens), tokens_per_s_best=tokens / min(self.times),
+        tokens_per_s_best=tokens / min(self.times),
         model_flops_per_s=fl['model'] * tokens / med,
         all_finite=bool(np.all(np.isfinite(self.losses))), depths_run=sorted(self.depths),
         hw_flops_per_s=fl['hw'] * tokens / med)
