@@ -4,7 +4,9 @@
 kv-group-major one (`causal_attention`, fastest on XLA:CPU), XLA's, or cuDNN's flash
 attention; AUTO picks by backend, dtype and head dim (`auto_attention_impl`).
 `grouped_attention` is the chunked kernel's core, shared with the compacted scorer
-(`compaction.compact_attention`) and cached decoding.
+(`compaction.compact_attention`) and cached decoding; `masked_attention` is one chunk
+under a per-row mask, normalized after the value product (the compacted scorer's
+partial buffers).
 """
 
 from typing import Callable, NamedTuple
@@ -75,6 +77,28 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
     outs.append(o.reshape(b, g, rep, w, kd))
   o_BxGxRxCxK = jnp.concatenate(outs, axis=3)
   return o_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
+
+
+def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
+  """Softmax attention of C queries over all S kv-group-major keys/values where see_BxCxS.
+
+  One batched matmul per product (no key slices: on XLA:CPU a slice of the key buffer is
+  a copy); the exponentials are normalized after the value product, on [.., C, K] rather
+  than [.., C, S]. Scores, max and sum in fp32. Every query must see a key.
+  """
+  b, c, h, kd = q_BxCxHxK.shape
+  g = k_BxGxSxK.shape[1]
+  rep = h // g  # query heads per kv head
+  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
+  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, rep, kd).transpose(0, 2, 3, 1, 4) * scale
+  s_BxGxRxCxS = jnp.einsum('bgrck,bgsk->bgrcs', q_BxGxRxCxK, k_BxGxSxK,
+                           preferred_element_type=jnp.float32)
+  s_BxGxRxCxS = jnp.where(see_BxCxS[:, None, None], s_BxGxRxCxS, -jnp.inf)
+  e_BxGxRxCxS = jnp.exp(s_BxGxRxCxS - jnp.max(s_BxGxRxCxS, axis=-1, keepdims=True))
+  o_BxGxRxCxK = jnp.einsum('bgrcs,bgsk->bgrck', e_BxGxRxCxS.astype(v_BxGxSxK.dtype), v_BxGxSxK,
+                           preferred_element_type=jnp.float32)
+  o_BxGxRxCxK = o_BxGxRxCxK / jnp.sum(e_BxGxRxCxS, axis=-1, keepdims=True)
+  return o_BxGxRxCxK.astype(v_BxGxSxK.dtype).transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
 
 
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:

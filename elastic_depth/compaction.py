@@ -71,6 +71,8 @@ def on_rows(mask_B: jax.Array, caps: tuple[int, ...], run: Callable, skip: Calla
 
 def compact_keys(c: int, l: int) -> float:
   """Mean keys per query that `compact_attention` multiplies for a C-slot buffer over L."""
+  if c < l:  # one chunk over every key
+    return float(l)
   n = attention_lib.attention_chunks(c, min_chunk=16)
   return l - c + (c // n) * (n + 1) / 2
 
@@ -80,16 +82,22 @@ def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> ja
 
   Args:
     q_BxCxHxK: queries of C slots per row (`recurrence.right_aligned`: slot c holds a
-      position <= L - C + c; padding slots may hold anything).
+      position <= L - C + c; padding slots may hold anything but a position before the
+      row's first key).
     k_BxGxLxK, v_BxGxLxK: the rows' keys/values, kv-group-major.
     qpos_BxC, kpos_BxL: positions of the queries and keys (increasing along L): a query
       sees the keys at positions <= its own.
   Returns:
-    o_BxCxHxK (`attention.grouped_attention`: fp32 scores, the query heads of a kv head
-    stacked); the queries of chunk i only meet the keys before L - C + (i + 1) C / n:
-    fewer keys for the early slots.
+    o_BxCxHxK, fp32 scores, the query heads of a kv head stacked. A buffer of fewer slots
+    than L multiplies every key (`attention.masked_attention`: at shape S on XLA:CPU the
+    per-chunk key slices cost more than the scores they skip); a full buffer (C = L) runs
+    `attention.grouped_attention`'s query chunks, chunk i of n meeting the keys before
+    (i + 1) L / n.
   """
   c, l = q_BxCxHxK.shape[1], k_BxGxLxK.shape[2]
+  if c < l:
+    see_BxCxL = kpos_BxL[:, None, :] <= qpos_BxC[:, :, None]
+    return attention_lib.masked_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, see_BxCxL)
   n = attention_lib.attention_chunks(c, min_chunk=16)
   w = c // n
   see = lambda i, end: kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
