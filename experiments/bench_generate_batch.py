@@ -9,7 +9,12 @@ row exits per token on its own; readouts and admissions compacted to the rows th
 them), the same engine with those passes over all B rows (compact=False, the engine
 before compaction) and A1 in lockstep (decoding.generate: every token runs to the
 batch's deepest). Reported: tokens/s, mean loops, the loop saving
-1 - loops(A1) / loops(A0), the realized time saving 1 - t(A1) / t(A0) and their ratio.
+1 - loops(A1) / loops(A0), the realized time saving 1 - t(A1) / t(A0) and their ratio,
+end to end (prefill included) and per phase: each variant's prefill (the prompt in parallel
+semantics; A1's through --prefill_engine, compacted by default, so the prompt costs what
+its tokens' depths cost) is timed on its own in the same interleaved rounds, and the
+decode phase is the call minus its prefill (paired per round). The decode phase's loop
+saving is the generated tokens'; the end-to-end one counts the prompt's tokens too.
 With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forced loss in
 cached semantics (analysis.cached_outputs, the semantics generation runs in) is within
 --quality_tol nats of A0's on the validation batches; both losses are reported. Without
@@ -42,6 +47,12 @@ _GRIDS = {'kl': ['1e-1', '3e-2', '1e-2', '3e-3', '1e-3', '3e-4', '1e-4', '3e-5',
           'state_delta': ['0.5', '0.4', '0.3', '0.2', '0.15', '0.1', '0.05', '0.03', '0.01']}
 _TOL = flags.DEFINE_float('quality_tol', 0.01, 'Matched quality: A1 loss <= A0 loss + this.')
 _SHAPE = flags.DEFINE_string('serve_shape', 'S', 'Random-init shape without --workdir.')
+_PREFILL_ENGINE = flags.DEFINE_enum_class('prefill_engine', config.ExitEngine.COMPACTED,
+                                          config.ExitEngine, 'A1\'s prefill engine '
+                                          '(exit.engine; A0 runs every prompt token to its depth).')
+_PREFILL_STEPS = flags.DEFINE_integer('prefill_compact_steps', 4, 'exit.compact_steps of A1\'s '
+                                      'compacted prefill (buffers: multiples of P / this).',
+                                      lower_bound=1)
 _F = flags.FLAGS
 
 
@@ -107,36 +118,74 @@ def _row(n_tok: int, sec: float, depth, a0=None) -> dict:
   return r
 
 
+def _prefills(mdl, n: int, a0_cfg, a1_cfg, rng) -> dict:
+  """Each variant's prefill phase (the depth-wise engines share serving.start's)."""
+  total = _F.prompt_len + n
+  return {'a0': jax.jit(lambda p: decoding.prefill(mdl, p, a0_cfg, rng, total)),
+          'a1_depthwise': jax.jit(lambda p: serving.start(mdl, p, n, a1_cfg, rng)),
+          'a1_lockstep': jax.jit(lambda p: decoding.prefill(mdl, p, a1_cfg, rng, total))}
+
+
+def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=None) -> dict:
+  """Per-phase fields of one variant: decode = call - prefill, paired per round."""
+  decode = statistics.median(t - p for t, p in zip(total_s, prefill_s))
+  row.update(prefill_s=statistics.median(prefill_s), decode_s=decode,
+             decode_tokens_per_s=n_tok / decode,
+             prompt_mean_loops=float(np.mean(prompt_depth)))
+  if a0 is not None:
+    row['decode_time_saving'] = 1 - decode / a0['decode_s']
+    row['prefill_time_saving'] = 1 - row['prefill_s'] / a0['prefill_s']
+    row['prompt_loop_saving'] = 1 - row['prompt_mean_loops'] / a0['prompt_mean_loops']
+    row['decode_realized_over_loop'] = (row['decode_time_saving'] / row['loop_saving']
+                                        if row['loop_saving'] > 0 else None)
+    p, g = row['prompt_mean_loops'] * _F.prompt_len, row['mean_loops'] * _F.new_tokens
+    p0, g0 = a0['prompt_mean_loops'] * _F.prompt_len, a0['mean_loops'] * _F.new_tokens
+    row['loop_saving_all_tokens'] = 1 - (p + g) / (p0 + g0)
+    row['realized_over_loop_all_tokens'] = (row['time_saving'] / row['loop_saving_all_tokens']
+                                            if row['loop_saving_all_tokens'] > 0 else None)
+  return row
+
+
 def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
   """A0, A1 depth-wise (compacted, all-rows) and A1 lockstep at batch b (times: medians)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
   prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
   a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
-  a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max)
+  a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max,
+                             engine=_PREFILL_ENGINE.value,
+                             compact_steps=_PREFILL_STEPS.value)
   fns = {'a0': jax.jit(lambda p: decoding.generate(mdl, p, n, a0_cfg, rng)),
          'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
          'a1_allrows': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
                                                           compact=False)),
          'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
-  rows = {}
-  timed = timing.interleaved({k: functools.partial(f, prompts) for k, f in fns.items()},
-                             _F.repeats)
-  times = timed.times
+  pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
+  calls = {k: functools.partial(f, prompts) for k, f in fns.items()}
+  calls.update({f'prefill:{k}': functools.partial(f, prompts) for k, f in pre.items()})
+  timed = timing.interleaved(calls, _F.repeats)
+  times, rows = timed.times, {}
   for key, fn in fns.items():
     out = fn(prompts)
     served = isinstance(out, serving.Generation)
-    depth = out.depth if served else out[1]
-    rows[key] = _row(b * n, statistics.median(times[key]), depth, rows.get('a0'))
+    depth, pdepth = (out.depth, out.prompt_depth) if served else (out[1], None)
+    pk = 'a1_depthwise' if served else key
+    if pdepth is None:
+      pdepth = pre[pk](prompts)[2]
+    a0 = rows.get('a0')  # None while timing A0 itself
+    rows[key] = _row(b * n, statistics.median(times[key]), depth, a0)
     rows[key]['min_s'] = min(times[key])
     rows[key].update(bench_util.usage_fields(timed.usage[key], per_call=False))
+    _phase_fields(rows[key], times[key], times[f'prefill:{pk}'], b * n, pdepth, a0)
     if served:  # serving's books
       c = out.counts
       rows[key].update(engine_steps=int(c.steps),
                        row_utilisation=int(c.active_rows) / int(c.core_rows),
                        readout_rows=int(c.readout_rows), prelude_rows=int(c.prelude_rows))
     print(f'B={b:3d} {key:13s} {rows[key]["tokens_per_s"]:9.1f} tok/s  loops '
-          f'{rows[key]["mean_loops"]:.2f}  kernel {rows[key]["sys_s_median"]:.3f} s, '
-          f'{rows[key]["minor_faults_median"]:.0f} faults per call', flush=True)
+          f'{rows[key]["mean_loops"]:.2f}  decode {rows[key]["decode_tokens_per_s"]:9.1f} tok/s'
+          f'  prefill {rows[key]["prefill_s"] * 1e3:.2f} ms  kernel '
+          f'{rows[key]["sys_s_median"]:.3f} s, {rows[key]["minor_faults_median"]:.0f} faults '
+          f'per call', flush=True)
   return rows
 
 
@@ -158,7 +207,27 @@ def _markdown(doc: dict) -> str:
                  f'({al["tokens_per_s"]:.0f}) | {ls["tokens_per_s"]:.0f} | '
                  f'{a0["mean_loops"]:.2f} / {a1["mean_loops"]:.2f} | {a1["loop_saving"]:.1%} | '
                  f'{a1["time_saving"]:.1%} ({al["time_saving"]:.1%}) | {ratio(a1)} ({ratio(al)}) |')
-  return '\n'.join(lines) + '\n'
+  return '\n'.join(lines + _phase_markdown(doc)) + '\n'
+
+
+def _phase_markdown(doc: dict) -> list:
+  """The decode phase (call - prefill, paired per round), the prefill, and end to end."""
+  f = lambda x: '-' if x is None else f'{x:.2f}'
+  lines = ['', f'Per phase (A1 prefill engine: {doc.get("prefill_engine")}); end to end: the '
+           'loop saving over prompt + generated tokens.', '',
+           '| B | decode tok/s A0 / depth-wise / lockstep | decode realized / loop: depth-wise; '
+           'lockstep | prefill ms A0 / A1 (prompt loops) | end-to-end realized / loop (all '
+           'tokens): depth-wise; lockstep |', '|' + '---|' * 5]
+  for b, r in doc['batches'].items():
+    a0, a1, ls = r['a0'], r['a1_depthwise'], r['a1_lockstep']
+    lines.append(
+        f'| {b} | {a0["decode_tokens_per_s"]:.0f} / {a1["decode_tokens_per_s"]:.0f} / '
+        f'{ls["decode_tokens_per_s"]:.0f} | {f(a1["decode_realized_over_loop"])}; '
+        f'{f(ls["decode_realized_over_loop"])} | {a0["prefill_s"] * 1e3:.2f} / '
+        f'{a1["prefill_s"] * 1e3:.2f} ({a0["prompt_mean_loops"]:.2f} / '
+        f'{a1["prompt_mean_loops"]:.2f}) | {f(a1["realized_over_loop_all_tokens"])}; '
+        f'{f(ls["realized_over_loop_all_tokens"])} |')
+  return lines
 
 
 def main(calibrate) -> None:
@@ -179,6 +248,8 @@ def main(calibrate) -> None:
              machine=f'{jax.default_backend()} {os.cpu_count()} cores', loadavg=os.getloadavg(),
              glibc_tunables=bench_util.glibc_tunables(),
              new_tokens=_F.new_tokens, prompt_len=_F.prompt_len, a0_depth=a0_depth, r_max=r_max,
+             prefill_engine=_PREFILL_ENGINE.value.value,
+             prefill_compact_steps=_PREFILL_STEPS.value,
              batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps']) for b in sizes})
   doc['loadavg_end'] = os.getloadavg()
   out = _F.out if _F.out != 'runs/bench_generate.json' else 'runs/bench_generate_batch.json'

@@ -133,12 +133,19 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads(out.read_text())
-  assert 'no quality' in doc['model'] and (tmp_path / 'batch.md').read_text().count('\n| ') == 3
+  assert 'no quality' in doc['model'] and (tmp_path / 'batch.md').read_text().count('\n| ') == 6
+  assert doc['prefill_engine'] == 'compacted'
   for rows in doc['batches'].values():
     a0, a1 = rows['a0'], rows['a1_depthwise']
     assert a0['mean_loops'] == 8 and 1 <= a1['mean_loops'] <= 8
     assert a1['loop_saving'] == pytest.approx(1 - a1['mean_loops'] / 8)
     assert a1['time_saving'] == pytest.approx(1 - a1['seconds'] / a0['seconds'])
+    # per phase: the prefill timed on its own, decode = call - prefill
+    assert a0['prompt_mean_loops'] == 8 and 1 <= a1['prompt_mean_loops'] <= 8
+    assert 0 < a1['prefill_s'] and 0 < a1['decode_s'] < a1['seconds']
+    assert a1['decode_time_saving'] == pytest.approx(1 - a1['decode_s'] / a0['decode_s'])
+    p, g = 4 * a1['prompt_mean_loops'], 3 * a1['mean_loops']
+    assert a1['loop_saving_all_tokens'] == pytest.approx(1 - (p + g) / (8 * 7))
     assert 0 < a1['row_utilisation'] <= 1
     assert all(r['sys_s_median'] >= 0 and r['minor_faults_median'] >= 0 for r in rows.values())
   # the depth-wise (compacted or not) and lockstep engines run the same tokens to the same depths
