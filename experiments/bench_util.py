@@ -5,6 +5,7 @@ import os
 import platform
 import statistics
 import subprocess
+from typing import Optional
 
 from elastic_depth import timing
 
@@ -27,18 +28,25 @@ def time_fn(fn, args, repeats, warmup: int = 1):
           'repeats': repeats}
 
 
-def cpu_description() -> str:
-  """The CPU's model name and vector extensions (AVX2 / AVX-512), for the record."""
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8') as f:
-      info = f.read()
-  except OSError:
-    return platform.processor() or 'unknown'
-  name = next((l.split(':', 1)[1].strip() for l in info.splitlines()
-               if l.startswith('model name')), 'unknown')
-  flags_line = next((l for l in info.splitlines() if l.startswith('flags')), '').split()
+def cpu_description(info: Optional[str] = None) -> str:
+  """The CPU's model name, family/model numbers and vector extensions (AVX2 / AVX-512), for
+  the record (AMD's 'AMD EPYC' alone hides the generation: family 25 is Zen 3/4, 26 Zen 5).
+
+  info: /proc/cpuinfo's text (read here when None).
+  """
+  if info is None:
+    try:
+      with open('/proc/cpuinfo', encoding='utf-8') as f:
+        info = f.read()
+    except OSError:
+      return platform.processor() or 'unknown'
+  field = lambda key: next((l.split(':', 1)[1].strip() for l in info.splitlines()
+                            if l.split(':', 1)[0].strip() == key), None)
+  flags_line = (field('flags') or '').split()
   isa = [x for x in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if x in flags_line]
-  return f'{name} ({", ".join(isa) or "no AVX2"})'
+  family = ('' if field('cpu family') is None
+            else f'family {field("cpu family")} model {field("model")}; ')
+  return f'{field("model name") or "unknown"} ({family}{", ".join(isa) or "no AVX2"})'
 
 
 def machine_description() -> str:

@@ -154,6 +154,14 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
   assert a1['readout_rows'] <= al['readout_rows'] and a1['prelude_rows'] <= al['prelude_rows']
 
 
+def test_cpu_description_names_the_generation_and_vector_units():
+  zen5 = ('processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n'
+          'model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n')
+  assert bench_util.cpu_description(zen5) == 'AMD EPYC (family 26 model 2; avx2, avx512f, avx512_bf16)'
+  assert bench_util.cpu_description('model name : X\nflags : sse2\n') == 'X (no AVX2)'
+  assert bench_util.cpu_description().count('(') == 1  # this machine's, whatever it is
+
+
 def test_reference_figures_say_where_they_come_from_and_match_our_shapes():
   with open(bench_util.REFERENCE_FILE, encoding='utf-8') as f:
     doc = json.load(f)
