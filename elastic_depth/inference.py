@@ -175,9 +175,12 @@ def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_
   there is no readout. put_idx: idx with the slots of exited tokens pointing past the row.
   """
   if compact_coda:
-    return lax.cond(read, lambda: model.decode_state(
-        s_new, buf.pos, [_scatter_kv(x, put_idx, pos, buf.pos) for x in coda_kv]),
-                    lambda: (jnp.zeros_like(s_new), coda_kv))
+    def run():
+      h, kv = model.decode_state(s_new, buf.pos,
+                                 [_scatter_kv(x, put_idx, pos, buf.pos) for x in coda_kv])
+      # a block without attention writes no keys/values (its buffers stay zeros)
+      return h, [n if blk.has_attn else o for blk, n, o in zip(model.coda, kv, coda_kv)]
+    return lax.cond(read, run, lambda: (jnp.zeros_like(s_new), coda_kv))
   if needs_head:  # later coda blocks depend on every token: run all, gather
     full = lambda: model.decode_state(recurrence.scatter_rows(buf.s, buf.idx, s_new), pos)[0]
     return lax.cond(read, lambda: recurrence.gather_rows(full(), buf.idx),

@@ -17,10 +17,10 @@ STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_ch
         'confidence': 'conf'}
 
 
-def _model(n_coda):
+def _model(n_coda, attention='all'):
   cfg = config.ModelConfig(vocab_size=48, d_model=32, num_heads=4, num_kv_heads=2,
                            head_dim=8, mlp_dim=64, n_prelude=1, n_core=2, n_coda=n_coda,
-                           max_len=64, init_std=0.1)
+                           max_len=64, init_std=0.1, attention=attention)
   return model_lib.LoopedLM(cfg, nnx.Rngs(3))
 
 
@@ -70,6 +70,19 @@ def test_compacted_equals_masked(setup, policy, n_coda, min_loops, check_every):
   ref, got = _both(models[n_coda], toks, cfg, router if policy == 'router' else None)
   depth = np.asarray(ref.aux.depth)
   assert len(np.unique(depth)) > 1 and depth.max() > min_loops  # ragged exits
+  _assert_same(ref, got)
+
+
+def test_compacted_equals_masked_with_attention_in_the_core_only(setup):
+  """model.attention=core (the main job's model): the coda block has no attention, so the
+  compacted readout keeps its (unused) key/value buffers as they are."""
+  _, toks, _, _ = setup
+  mdl = _model(1, attention='core')
+  trace = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R),
+                          jax.random.key(0), trace=True).traces
+  cfg = config.ExitConfig(policy='kl', eps=_ragged_eps(trace, 'kl', 1), max_loops=R)
+  ref, got = _both(mdl, toks, cfg)
+  assert len(np.unique(np.asarray(ref.aux.depth))) > 1
   _assert_same(ref, got)
 
 
