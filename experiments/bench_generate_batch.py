@@ -127,17 +127,23 @@ def _prefills(mdl, n: int, a0_cfg, a1_cfg, rng) -> dict:
 
 
 def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=None) -> dict:
-  """Per-phase fields of one variant: decode = call - prefill, paired per round."""
+  """Per-phase fields of one variant: decode = call - prefill, paired per round.
+
+  Where the noise is larger than the decode phase (decode <= 0, e.g. a few tokens and one
+  repeat) the decode fields are None: no figure rather than a wrong one.
+  """
   decode = statistics.median(t - p for t, p in zip(total_s, prefill_s))
+  decode = decode if decode > 0 else None
   row.update(prefill_s=statistics.median(prefill_s), decode_s=decode,
-             decode_tokens_per_s=n_tok / decode,
+             decode_tokens_per_s=None if decode is None else n_tok / decode,
              prompt_mean_loops=float(np.mean(prompt_depth)))
   if a0 is not None:
-    row['decode_time_saving'] = 1 - decode / a0['decode_s']
+    ok = decode is not None and a0['decode_s'] is not None
+    row['decode_time_saving'] = 1 - decode / a0['decode_s'] if ok else None
     row['prefill_time_saving'] = 1 - row['prefill_s'] / a0['prefill_s']
     row['prompt_loop_saving'] = 1 - row['prompt_mean_loops'] / a0['prompt_mean_loops']
     row['decode_realized_over_loop'] = (row['decode_time_saving'] / row['loop_saving']
-                                        if row['loop_saving'] > 0 else None)
+                                        if ok and row['loop_saving'] > 0 else None)
     p, g = row['prompt_mean_loops'] * _F.prompt_len, row['mean_loops'] * _F.new_tokens
     p0, g0 = a0['prompt_mean_loops'] * _F.prompt_len, a0['mean_loops'] * _F.new_tokens
     row['loop_saving_all_tokens'] = 1 - (p + g) / (p0 + g0)
@@ -182,7 +188,8 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
                        row_utilisation=int(c.active_rows) / int(c.core_rows),
                        readout_rows=int(c.readout_rows), prelude_rows=int(c.prelude_rows))
     print(f'B={b:3d} {key:13s} {rows[key]["tokens_per_s"]:9.1f} tok/s  loops '
-          f'{rows[key]["mean_loops"]:.2f}  decode {rows[key]["decode_tokens_per_s"]:9.1f} tok/s'
+          f'{rows[key]["mean_loops"]:.2f}  decode '
+          f'{rows[key]["decode_tokens_per_s"] or float("nan"):9.1f} tok/s'
           f'  prefill {rows[key]["prefill_s"] * 1e3:.2f} ms  kernel '
           f'{rows[key]["sys_s_median"]:.3f} s, {rows[key]["minor_faults_median"]:.0f} faults '
           f'per call', flush=True)
@@ -212,7 +219,7 @@ def _markdown(doc: dict) -> str:
 
 def _phase_markdown(doc: dict) -> list:
   """The decode phase (call - prefill, paired per round), the prefill, and end to end."""
-  f = lambda x: '-' if x is None else f'{x:.2f}'
+  f = lambda x, fmt='.2f': '-' if x is None else format(x, fmt)
   lines = ['', f'Per phase (A1 prefill engine: {doc.get("prefill_engine")}); end to end: the '
            'loop saving over prompt + generated tokens.', '',
            '| B | decode tok/s A0 / depth-wise / lockstep | decode realized / loop: depth-wise; '
@@ -221,8 +228,8 @@ def _phase_markdown(doc: dict) -> list:
   for b, r in doc['batches'].items():
     a0, a1, ls = r['a0'], r['a1_depthwise'], r['a1_lockstep']
     lines.append(
-        f'| {b} | {a0["decode_tokens_per_s"]:.0f} / {a1["decode_tokens_per_s"]:.0f} / '
-        f'{ls["decode_tokens_per_s"]:.0f} | {f(a1["decode_realized_over_loop"])}; '
+        f'| {b} | {f(a0["decode_tokens_per_s"], ".0f")} / {f(a1["decode_tokens_per_s"], ".0f")} / '
+        f'{f(ls["decode_tokens_per_s"], ".0f")} | {f(a1["decode_realized_over_loop"])}; '
         f'{f(ls["decode_realized_over_loop"])} | {a0["prefill_s"] * 1e3:.2f} / '
         f'{a1["prefill_s"] * 1e3:.2f} / {ls["prefill_s"] * 1e3:.2f} '
         f'({a0["prompt_mean_loops"]:.2f} / {a1["prompt_mean_loops"]:.2f}) | '
