@@ -132,8 +132,7 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
   Where the noise is larger than the decode phase (decode <= 0, e.g. a few tokens and one
   repeat) the decode fields are None: no figure rather than a wrong one.
   """
-  decode = statistics.median(t - p for t, p in zip(total_s, prefill_s))
-  decode = decode if decode > 0 else None
+  decode = bench_util.paired_remainder(total_s, prefill_s)
   row.update(prefill_s=statistics.median(prefill_s), decode_s=decode,
              decode_tokens_per_s=None if decode is None else n_tok / decode,
              prompt_mean_loops=float(np.mean(prompt_depth)))

@@ -68,6 +68,13 @@ def usage_fields(calls, per_call: bool = True) -> dict:
   return out
 
 
+def paired_remainder(total_s, part_s) -> Optional[float]:
+  """Median over rounds of total - part (each pair timed in the same interleaved round), or
+  None where the noise exceeds the remainder (median <= 0): no figure rather than a wrong one."""
+  rest = statistics.median(t - p for t, p in zip(total_s, part_s, strict=True))
+  return rest if rest > 0 else None
+
+
 def glibc_tunables() -> str:
   """GLIBC_TUNABLES of this process (huge pages or not: experiments.host_setup), for the record."""
   return os.environ.get('GLIBC_TUNABLES', '')

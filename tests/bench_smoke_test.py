@@ -158,14 +158,12 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
 
 
 def test_decode_phase_is_the_call_minus_its_prefill_paired_per_round():
-  from experiments import bench_generate_batch  # pylint: disable=g-import-not-at-top
-  row = bench_generate_batch._phase_fields({}, [1.0, 2.0, 1.5], [0.25, 1.5, 0.5], 10,
-                                           [[3, 5]])
-  assert row['decode_s'] == 0.75 and row['decode_tokens_per_s'] == pytest.approx(10 / 0.75)
-  assert row['prefill_s'] == 0.5 and row['prompt_mean_loops'] == 4.0
-  # noise larger than the decode phase gives no decode figure, not a negative one
-  row = bench_generate_batch._phase_fields({}, [1.0, 1.0], [1.25, 1.5], 10, [[3]])
-  assert row['decode_s'] is None and row['decode_tokens_per_s'] is None
+  # bench_generate --batch_sizes: decode = median over rounds of (call - its prefill)
+  assert bench_util.paired_remainder([1.0, 2.0, 1.5], [0.25, 1.5, 0.5]) == 0.75
+  # noise larger than the decode phase gives no figure, not a negative one
+  assert bench_util.paired_remainder([1.0, 1.0], [1.25, 1.5]) is None
+  with pytest.raises(ValueError):
+    bench_util.paired_remainder([1.0], [0.5, 0.5])
 
 
 def test_cpu_description_names_the_generation_and_vector_units():
