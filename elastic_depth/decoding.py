@@ -16,7 +16,7 @@ from jax import lax
 from elastic_depth import inference, losses, policies, recurrence
 from elastic_depth.attention import grouped_attention
 from elastic_depth.config import ExitConfig, ExitPolicy
-from elastic_depth.model import LoopedLM
+from elastic_depth.model import LoopedLM, keep_kv
 
 
 class Cache(NamedTuple):
@@ -63,11 +63,6 @@ def fresh_kv(blocks, kvs, slot=None) -> list:
   at = lambda c: token_slots(c, c.shape[2] - 1 if slot is None else slot)
   return [(at(k), at(v)) if b.has_attn else (k[:, -1:], v[:, -1:])
           for b, (k, v) in zip(blocks, kvs)]
-
-
-def keep_caches(blocks, new: list, old: list) -> list:
-  """New caches for blocks with attention; blocks without keep theirs (never read)."""
-  return [n if b.has_attn else o for b, n, o in zip(blocks, new, old)]
 
 
 def _write(cache_kv, kv, start):
@@ -179,9 +174,9 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   else:
     logits, new_kv = final_readout(None)
     counts = inference.exit_counts(res, core_keys=cache_len)
-  coda = keep_caches(model.coda, [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)],
+  coda = keep_kv(model.coda, [_write(c, kv, pos) for c, kv in zip(cache.coda, new_kv)],
                      cache.coda)
-  pre_kv = keep_caches(model.prelude, pre_kv, cache.prelude)
+  pre_kv = keep_kv(model.prelude, pre_kv, cache.prelude)
   out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
   return out + (counts,) if with_counts else out
 

@@ -15,7 +15,7 @@ from jax import lax
 
 from elastic_depth import compaction, policies, recurrence
 from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy
-from elastic_depth.model import LoopedLM
+from elastic_depth.model import LoopedLM, keep_kv
 
 
 class ScoreResult(NamedTuple):
@@ -178,8 +178,7 @@ def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_
     def run():
       h, kv = model.decode_state(s_new, buf.pos,
                                  [_scatter_kv(x, put_idx, pos, buf.pos) for x in coda_kv])
-      # a block without attention writes no keys/values (its buffers stay zeros)
-      return h, [n if blk.has_attn else o for blk, n, o in zip(model.coda, kv, coda_kv)]
+      return h, keep_kv(model.coda, kv, coda_kv)
     return lax.cond(read, run, lambda: (jnp.zeros_like(s_new), coda_kv))
   if needs_head:  # later coda blocks depend on every token: run all, gather
     full = lambda: model.decode_state(recurrence.scatter_rows(buf.s, buf.idx, s_new), pos)[0]

@@ -166,6 +166,12 @@ class Block(nnx.Module):
     return x, kv
 
 
+def keep_kv(blocks, new: list, old: list) -> list:
+  """Per block: the new (k, v) where the block has attention; a block without keeps its
+  buffers (its keys/values are zeros that nothing reads, returned token-major)."""
+  return [n if b.has_attn else o for b, n, o in zip(blocks, new, old)]
+
+
 def _run_blocks(blocks, x, pos, kv_fns: Optional[Sequence[Optional[KVFn]]],
                 rot: Optional[Rotary] = None):
   """Applies blocks in order; returns the output and the per-block (k, v)."""
