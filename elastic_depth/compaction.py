@@ -8,7 +8,8 @@ results are discarded. A capacity-B buffer is the batch itself (no gather; scatt
 the unmasked rows). `recurrence.early_exit_compacted` does the same per position within
 rows (the compacted scorer); this is its batch-row counterpart (the serving engine).
 `compact_attention` is the compacted scorer's attention: a buffer's queries against
-their whole rows' keys/values.
+their whole rows' keys/values; `pooled_attention` is the pooled scorer's (one buffer for
+the whole batch's tokens).
 """
 
 from typing import Callable
@@ -103,3 +104,33 @@ def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> ja
   see = lambda i, end: kpos_BxL[:, None, :end] <= qpos_BxC[:, i * w:(i + 1) * w, None]
   return attention_lib.grouped_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, n,
                                          lambda i: l - c + (i + 1) * w, see)
+
+
+def pooled_attention(q_1xCxHxK, k_BxGxLxK, v_BxGxLxK, idx_1xC, pos_BxL) -> jax.Array:
+  """Attention of a pooled buffer's queries (flat token indices b L + l) over their rows.
+
+  The queries go back to their rows (an all-zero [B, L] grid elsewhere), every row runs
+  its causal attention (`compact_attention` with a full buffer) and the buffer's outputs
+  are gathered: B x L queries of L keys whatever the buffer's size C, which is cheap
+  beside the buffer's projections when L is small against the model width (many short
+  rows: what the pooled engine is for). Padding slots (index B x L) read row B - 1.
+
+  Args:
+    q_1xCxHxK: the buffer's queries.
+    k_BxGxLxK, v_BxGxLxK: the rows' keys/values, kv-group-major.
+    idx_1xC: int32 flat token index of each slot (padding: B x L).
+    pos_BxL: the rows' positions (a query sees the keys at positions <= its own).
+  Returns:
+    o_1xCxHxK.
+  """
+  b, l = pos_BxL.shape
+  r_C, c_C = idx_1xC[0] // l, idx_1xC[0] % l
+  q_BxLxHxK = jnp.zeros((b, l) + q_1xCxHxK.shape[2:], q_1xCxHxK.dtype)
+  q_BxLxHxK = q_BxLxHxK.at[r_C, c_C].set(q_1xCxHxK[0], mode='drop')
+  o_BxLxHxK = compact_attention(q_BxLxHxK, k_BxGxLxK, v_BxGxLxK, pos_BxL, pos_BxL)
+  return o_BxLxHxK.at[r_C, c_C].get(mode='clip')[None]
+
+
+def pooled_keys(c: int, b: int, l: int) -> float:
+  """Mean keys per buffer slot that `pooled_attention` multiplies for a C-slot buffer."""
+  return b * l * compact_keys(l, l) / c if c else 0.0

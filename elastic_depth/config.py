@@ -54,6 +54,7 @@ class ExitEngine(str, enum.Enum):
   """How teacher-forced scoring runs the exit loop (see inference.py)."""
   MASKED = 'masked'        # every loop runs all B x L tokens; exited ones are masked
   COMPACTED = 'compacted'  # every loop gathers the active tokens and runs only those
+  POOLED = 'pooled'        # compacted over the whole batch at once (many short rows)
 
 
 class RematPolicy(str, enum.Enum):
@@ -196,8 +197,8 @@ class ExitConfig:
   patience: int = 1          # state_delta: exit once the change has stayed below eps for
                              # this many consecutive loops (counted from loop 2)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
-  engine: ExitEngine = ExitEngine.MASKED  # score/prefill: masked or compacted loop
-  compact_steps: int = 8     # compacted: buffer sizes are multiples of L / compact_steps
+  engine: ExitEngine = ExitEngine.MASKED  # score/prefill: masked, compacted or pooled loop
+  compact_steps: int = 8     # compacted (pooled): buffers are multiples of L (B L) / this
                              # (and powers of two below): one compiled phase per size
 
 

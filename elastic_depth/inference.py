@@ -7,7 +7,8 @@ engines run it: `exit_loop` (masked) and `compact_exit_loop` (active tokens only
 Cached decoding (one token at a time over a KV cache) is in `decoding`.
 """
 
-from typing import Any, NamedTuple, Optional
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,39 @@ def _scatter_kv(kv_prev, idx_BxC, pos_BxL, pos_BxC):
   return lambda k, v: (put(kv_prev[0], k), put(kv_prev[1], v), attend)
 
 
+def _pooled_kv(kv_prev, idx_1xC, pos_BxL):
+  """_scatter_kv for a pooled buffer (flat token indices b L + l) over per-row buffers
+  [B, G, L, K] (`compaction.pooled_attention`)."""
+  l = pos_BxL.shape[1]
+  r_C, c_C = idx_1xC[0] // l, idx_1xC[0] % l
+  put = lambda x, y: x.at[r_C, :, c_C].set(y[0].astype(x.dtype), mode='drop')
+  attend = lambda q, k, v: compaction.pooled_attention(q, k, v, idx_1xC, pos_BxL)
+  return lambda k, v: (put(kv_prev[0], k), put(kv_prev[1], v), attend)
+
+
+class _Layout(NamedTuple):
+  """Where a compacted run's tokens are: the model's rows (per-row buffers) or one pool."""
+  pos: jax.Array       # the model's positions [B, L]
+  kv_fn: Callable      # (kv buffers, put_idx, the buffer's positions) -> a block's kv_fn
+  to_rows: Callable    # the run's [B', L', ...] -> the model's rows [B, L, ...]
+  from_rows: Callable  # the inverse
+  keys: Callable       # capacity -> mean keys per buffer slot of the core's attention
+
+
+def _row_layout(pos_BxL) -> _Layout:
+  same = lambda x: x
+  return _Layout(pos_BxL, lambda kv, idx, p: _scatter_kv(kv, idx, pos_BxL, p), same, same,
+                 lambda c: compaction.compact_keys(c, pos_BxL.shape[1]))
+
+
+def _pooled_layout(pos_BxL) -> _Layout:
+  b, l = pos_BxL.shape
+  return _Layout(pos_BxL, lambda kv, idx, p: _pooled_kv(kv, idx, pos_BxL),
+                 lambda x: x.reshape((b, l) + x.shape[2:]),
+                 lambda x: x.reshape((1, b * l) + x.shape[2:]),
+                 lambda c: compaction.pooled_keys(c, b, l))
+
+
 def _group_major(kv):
   """Per block (k, v) [B, L, G, K] <-> [B, G, L, K]."""
   return [(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)) for k, v in kv]
@@ -167,7 +201,7 @@ class _Buffer(NamedTuple):
   rot: Any            # RoPE tables of the slots
 
 
-def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_coda,
+def _compact_readout(model, buf: _Buffer, put_idx, s_new, lay: _Layout, coda_kv, compact_coda,
                      needs_head, read):
   """(h of the buffer's tokens, coda kv buffers) at a loop whose p_i a check reads.
 
@@ -176,12 +210,12 @@ def _compact_readout(model, buf: _Buffer, put_idx, s_new, pos, coda_kv, compact_
   """
   if compact_coda:
     def run():
-      h, kv = model.decode_state(s_new, buf.pos,
-                                 [_scatter_kv(x, put_idx, pos, buf.pos) for x in coda_kv])
+      h, kv = model.decode_state(s_new, buf.pos, [lay.kv_fn(x, put_idx, buf.pos) for x in coda_kv])
       return h, keep_kv(model.coda, kv, coda_kv)
     return lax.cond(read, run, lambda: (jnp.zeros_like(s_new), coda_kv))
   if needs_head:  # later coda blocks depend on every token: run all, gather
-    full = lambda: model.decode_state(recurrence.scatter_rows(buf.s, buf.idx, s_new), pos)[0]
+    full = lambda: lay.from_rows(model.decode_state(
+        lay.to_rows(recurrence.scatter_rows(buf.s, buf.idx, s_new)), lay.pos)[0])
     return lax.cond(read, lambda: recurrence.gather_rows(full(), buf.idx),
                     lambda: jnp.zeros_like(s_new)), coda_kv
   return jnp.zeros((), s_new.dtype), coda_kv
@@ -203,8 +237,8 @@ def _gathered_check(check_fn, chk: policies.CheckCarry, idx, put_idx, s_new, s_c
   return want, chk, c.coda, c.head
 
 
-def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, compact_coda: bool, *, router,
-                   exit_mask_BxL, schedule_BxL):
+def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, lay: _Layout, compact_coda: bool,
+                   *, router, exit_mask_BxL, schedule_BxL):
   """compact_exit_loop's phase_fn: gathers a phase's buffer once; its step runs one loop
   of the buffer's live tokens and their exit check.
 
@@ -221,18 +255,19 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, compact_coda: boo
     g = lambda x: recurrence.gather_rows(x, idx)
     buf = _Buffer(idx, s, g(pos), g(inj), jax.tree.map(g, rot))
     exit_c = None if exit_mask_BxL is None else g(exit_mask_BxL)
+    eps = cfg.eps if jnp.shape(cfg.eps)[1:] in ((), (1,)) else g(cfg.eps)  # per token: gather
     sched_c = None if schedule_BxL is None else g(schedule_BxL)
 
     def step(live, s_c, carry, i):
       kv, coda_kv, chk, n_coda, n_head = carry
       put_idx = jnp.where(live, idx, l)  # exited slots write nothing
       s_new, kv = model.core_step(s_c, buf.inj, buf.pos,
-                                  [_scatter_kv(x, put_idx, pos, buf.pos) for x in kv], rot=buf.rot)
+                                  [lay.kv_fn(x, put_idx, buf.pos) for x in kv], rot=buf.rot)
       s_new = jnp.where(live[..., None], s_new, s_c)
-      h_new, coda_kv = _compact_readout(model, buf, put_idx, s_new, pos, coda_kv, compact_coda,
+      h_new, coda_kv = _compact_readout(model, buf, put_idx, s_new, lay, coda_kv, compact_coda,
                                         needs_head, reads(i))
       check_fn, _ = policies.make_check_fn(
-          policy, eps=cfg.eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
+          policy, eps=eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
           check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg),
           patience=cfg.patience)
@@ -251,7 +286,7 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, compact_coda: boo
 
 def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
                       exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
-                      steps: Optional[int] = None):
+                      steps: Optional[int] = None, layout: Optional[_Layout] = None):
   """Loop policy: the same per-token exit as `exit_loop`, run on the active tokens only.
 
   Loops run in phases of one capacity (`recurrence.early_exit_compacted`: every row's
@@ -266,6 +301,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   keys/values depend on other tokens, so the coda runs on all tokens and its output is
   gathered. Depths and logits equal exit_loop's.
   The aux output is a CompactAux (counts in executed token slots / (B x L)).
+  layout: where the tokens are (`pooled_exit_loop`; default: the model's rows).
   """
   del targets_BxL  # only read by traces
   if trace:
@@ -277,16 +313,17 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   def loop(model: LoopedLM, s0, inj, pos):
     c = model.cfg
     b, l = s0.shape[:2]
-    zeros = jnp.zeros((b, c.num_kv_heads, l, c.head_dim), inj.dtype)
+    lay = _row_layout(pos) if layout is None else layout
+    zeros = jnp.zeros((lay.pos.shape[0], c.num_kv_heads, lay.pos.shape[1], c.head_dim), inj.dtype)
     compact_coda = needs_head and c.n_coda <= 1
     # tokens inactive from the start offer the coda keys/values of their initial state
     pad = compact_coda and active_BxL is not None
-    coda_kv0 = (_group_major(model.decode_state(s0, pos)[1]) if pad else
+    coda_kv0 = (_group_major(model.decode_state(lay.to_rows(s0), lay.pos)[1]) if pad else
                 [(zeros, zeros)] * c.n_coda if compact_coda else [])
     _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
                                        use_kernel=cfg.use_kernel, patience=cfg.patience)
 
-    phase = _compact_phase(model, cfg, inj, pos, compact_coda, router=router,
+    phase = _compact_phase(model, cfg, inj, pos, lay, compact_coda, router=router,
                            exit_mask_BxL=exit_mask_BxL, schedule_BxL=schedule_BxL)
     carry = ([(zeros, zeros) for _ in range(c.n_core)], coda_kv0, carry0(s0),
              jnp.int32(b * l if pad else 0), jnp.int32(0))
@@ -297,16 +334,44 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     per = lambda n: n.astype(jnp.float32) / (b * l) + 1.0  # + the final readout
     counts = Counts(res.slots.astype(jnp.float32) / (b * l), per(n_coda), per(n_head),
                     res.depth, chk.coda_BxL + 1, chk.head_BxL + 1,
-                    _compact_core_keys(res.phase_slots, recurrence.capacities(l, steps), l))
+                    _compact_core_keys(res.phase_slots, recurrence.capacities(l, steps), lay.keys))
     return res.state, CompactAux(res.depth, _group_major(kv), res.loops, res.slots, {}, counts)
   return loop
 
 
-def _compact_core_keys(phase_slots_K, caps, l: int) -> jax.Array:
-  """Keys per query over a compacted run's core slots (each capacity's `compact_keys`)."""
-  keys_K = jnp.asarray([compaction.compact_keys(c, l) for c in caps], jnp.float32)
+def _compact_core_keys(phase_slots_K, caps, keys: Callable) -> jax.Array:
+  """Keys per query over a compacted run's core slots (keys(capacity) per slot)."""
+  keys_K = jnp.asarray([keys(c) for c in caps], jnp.float32)
   n_K = phase_slots_K.astype(jnp.float32)
   return jnp.sum(n_K * keys_K) / jnp.maximum(jnp.sum(n_K), 1.0)
+
+
+def pooled_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
+                     exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
+                     steps: Optional[int] = None):
+  """compact_exit_loop with one buffer for the whole batch's active tokens (exit.engine=pooled).
+
+  Per-row buffers hold each row's fullest count, so a batch of short rows (prompts) keeps
+  them nearly full while most tokens have exited; here the batch's B x L tokens are one
+  pool, and a loop runs the buffer's projections on the batch's active tokens
+  (`recurrence.capacities(B x L, steps)`) while attention stays per row
+  (`compaction.pooled_attention`: all B x L queries, cheap for short rows). Depths,
+  logits and keys/values equal exit_loop's. The aux output is a CompactAux.
+  """
+  flat = lambda x: None if x is None else x.reshape((1, -1) + x.shape[2:])
+
+  def loop(model: LoopedLM, s0, inj, pos):
+    lay = _pooled_layout(pos)
+    eps = cfg.eps if jnp.ndim(cfg.eps) == 0 else flat(jnp.broadcast_to(cfg.eps, pos.shape))
+    inner = compact_exit_loop(dataclasses.replace(cfg, eps=eps), router=router, targets_BxL=targets_BxL, trace=trace,
+                              exit_mask_BxL=flat(exit_mask_BxL), active_BxL=flat(active_BxL),
+                              schedule_BxL=flat(schedule_BxL), steps=steps, layout=lay)
+    s, aux = inner(model, flat(s0), flat(inj), flat(pos))
+    n = aux.counts
+    n = n._replace(depth=lay.to_rows(n.depth), coda=lay.to_rows(n.coda),
+                   head=lay.to_rows(n.head))
+    return lay.to_rows(s), aux._replace(depth=lay.to_rows(aux.depth), counts=n)
+  return loop
 
 
 class CompactAux(NamedTuple):
@@ -319,4 +384,5 @@ class CompactAux(NamedTuple):
   counts: Counts  # executed work; batch passes are token slots / (B x L)
 
 
-_ENGINES = {ExitEngine.MASKED: exit_loop, ExitEngine.COMPACTED: compact_exit_loop}
+_ENGINES = {ExitEngine.MASKED: exit_loop, ExitEngine.COMPACTED: compact_exit_loop,
+            ExitEngine.POOLED: pooled_exit_loop}

@@ -10,7 +10,9 @@ Variants, timed interleaved (A0, masked, compacted, A0, ...; medians; --settle=N
 timed call right after N untimed calls of the same variant, see timing.interleaved):
   a0          uniform depth (--depth, or the checkpoint's training mean), no checks;
   a1_masked   exit_loop: every loop runs all B x L tokens, exited ones masked;
-  a1_compact  compact_exit_loop: every loop runs only the active tokens.
+  a1_compact  compact_exit_loop: every loop runs only the active tokens (per-row buffers);
+  a1_pooled   pooled_exit_loop: the same with one buffer for the whole batch's tokens
+              (for many short rows: `--batch=256 --seq_len=16`).
 On a random model exits mean nothing, so --fake_exit_fraction (default) imposes a
 synthetic schedule: after each loop that share of the still-active tokens exits
 (random tokens, geometric depths capped at --depth). The check still runs at every
@@ -23,7 +25,8 @@ an event log in tests/accounting_test.py) through `books.executed_flops`
 (model.flops_per_token pieces): loops, readouts (only where a check reads one) and head
 products as each engine ran them, the compacted engine's buffer padding included
 (`active_gflop`: the active tokens' share alone).
-realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against masked.
+realized/FLOP = wall-clock saving / executed-FLOP saving, against A0 and against masked
+(ratios `vs_a0`, `vs_a1_masked` for the compacted engine, `pooled_vs_...` for the pooled).
 Each variant also records every timed call's user and kernel CPU seconds and minor page
 faults (`timing.Usage`): kernel time is where this VM's refetch of freed memory shows.
 This main keeps freed memory in the process by default (experiments/host_setup.py,
@@ -91,7 +94,7 @@ def _books(mcfg, l: int, n: int, depth: int, counts: dict) -> dict:
   out = {'a0': n * float(books.executed_flops(mcfg, depth, 1, 1, l,
                                               model_lib.causal_keys(l)))}
   out.update({k: total(c) for k, c in counts.items()})
-  c = counts['a1_compact']
+  c = counts['a1_compact']  # (the pooled engine's active tokens do the same work)
   out['a1_compact_active'] = float(np.sum(books.executed_flops(
       mcfg, np.asarray(c.depth), np.asarray(c.coda), np.asarray(c.head), l, c.core_keys)))
   return out
@@ -102,13 +105,27 @@ def _variants(mdl, depth: int, ecfg, sched):
   run = lambda loop: jax.jit(lambda t: mdl.forward(t, key, loop))
   return {'a0': run(model_lib.fixed(depth, remat=False)),
           'a1_masked': run(inference.exit_loop(ecfg, schedule_BxL=sched)),
-          'a1_compact': run(inference.compact_exit_loop(ecfg, schedule_BxL=sched))}
+          'a1_compact': run(inference.compact_exit_loop(ecfg, schedule_BxL=sched)),
+          'a1_pooled': run(inference.pooled_exit_loop(ecfg, schedule_BxL=sched))}
 
 
 def paired_saving(times, base_times) -> float:
   """Median over repeats of 1 - t / t_base within the same interleaved round (robust to
   load that drifts between rounds)."""
   return statistics.median(1.0 - t / b for t, b in zip(times, base_times))
+
+
+def _ratio(times: dict, flops: dict, variant: str, base: str) -> dict:
+  """Wall-clock and executed-FLOP savings of variant against base, and their ratios."""
+  saving = lambda a, b: 1.0 - a / b
+  w = saving(statistics.median(times[variant]), statistics.median(times[base]))
+  w_min = saving(min(times[variant]), min(times[base]))
+  w_pair = paired_saving(times[variant], times[base])
+  fl = saving(flops[variant], flops[base])
+  per = lambda x: x / fl if fl > 0 else None
+  return dict(wall_saving=w, flop_saving=fl, wall_saving_min=w_min, wall_saving_paired=w_pair,
+              realized_over_flop_paired=per(w_pair), realized_over_flop=per(w),
+              realized_over_flop_min=per(w_min))
 
 
 def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
@@ -130,25 +147,16 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
                              _REPEATS.value, warmup=_WARMUP.value, settle=_SETTLE.value)
   times, loads = timed.times, timed.loads
   med = {k: statistics.median(v) for k, v in times.items()}
-  m, c = outs['a1_masked'].aux, outs['a1_compact'].aux
-  assert np.array_equal(np.asarray(m.depth), np.asarray(c.depth)), 'engines disagree'
-  flops = _books(mdl.cfg, l, n, depth, {'a1_masked': jax.device_get(m.counts),
-                                        'a1_compact': jax.device_get(c.counts)})
-  mean_loops = float(np.mean(np.asarray(c.depth)))
-  saving = lambda a, b_: 1.0 - a / b_
-  ratios = {}
-  for base in ('a0', 'a1_masked'):
-    w = saving(med['a1_compact'], med[base])
-    w_min = saving(min(times['a1_compact']), min(times[base]))
-    w_pair = paired_saving(times['a1_compact'], times[base])
-    fl = saving(flops['a1_compact'], flops[base])
-    ratios[f'vs_{base}'] = dict(wall_saving=w, flop_saving=fl, wall_saving_min=w_min,
-                                wall_saving_paired=w_pair,
-                                realized_over_flop_paired=w_pair / fl if fl > 0 else None,
-                                realized_over_flop=w / fl if fl > 0 else None,
-                                realized_over_flop_min=w_min / fl if fl > 0 else None)
-  keys = {'a0': model_lib.causal_keys(l), 'a1_masked': float(m.counts.core_keys),
-          'a1_compact': float(c.counts.core_keys)}  # per core query, as executed
+  aux = {k: outs[k].aux for k in ('a1_masked', 'a1_compact', 'a1_pooled')}
+  for k, a in aux.items():
+    assert np.array_equal(np.asarray(a.depth), np.asarray(aux['a1_masked'].depth)), k
+  flops = _books(mdl.cfg, l, n, depth, {k: jax.device_get(a.counts) for k, a in aux.items()})
+  mean_loops = float(np.mean(np.asarray(aux['a1_compact'].depth)))
+  ratios = {f'{prefix}vs_{base}': _ratio(times, flops, v, base)
+            for prefix, v in (('', 'a1_compact'), ('pooled_', 'a1_pooled'))
+            for base in ('a0', 'a1_masked')}
+  keys = {'a0': model_lib.causal_keys(l),  # per core query, as executed
+          **{k: float(a.counts.core_keys) for k, a in aux.items()}}
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
                   tokens_per_s=n / med[k], core_keys=keys[k], first_call_s=first_s[k],
                   executed_gflop=flops[k] / 1e9, **bench_util.usage_fields(timed.usage[k]))
@@ -160,7 +168,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
           f'{r["executed_gflop"]:8.1f} GFLOP  cpu {r["user_s_median"]:.2f} user + '
           f'{r["sys_s_median"]:.2f} sys s, {r["minor_faults_median"]:.0f} faults', flush=True)
   for k, r in ratios.items():
-    print(f'  compact {k}: wall saving {r["wall_saving"]:.1%}, FLOP saving '
+    print(f'  {k}: wall saving {r["wall_saving"]:.1%}, FLOP saving '
           f'{r["flop_saving"]:.1%}, realized/FLOP {r["realized_over_flop"]} (min-based '
           f'{r["realized_over_flop_min"]})', flush=True)
   return dict(model=dataclasses.asdict(mdl.cfg), batch=b, seq_len=l, tokens=n, depth=depth,
@@ -253,12 +261,13 @@ def markdown(out: dict) -> str:
       lines += ['', f'{name}: {r["policy"]} eps={q["eps"]:.3g}, loss {q["loss"]:.4f} at '
                 f'{q["mean_loops"]:.2f} mean loops vs uniform depth {r["depth"]} '
                 f'{q["a0_loss"]:.4f} (matched within {q["tol"]} nats, same tokens)']
-  lines += ['', '| shape | mean loops | vs | wall saving (median) | FLOP saving | '
+  lines += ['', '| shape | mean loops | engine vs | wall saving (median) | FLOP saving | '
             'realized/FLOP (median) | realized/FLOP (min) |', '|---|---|---|---|---|---|---|']
   for name, r in out['runs'].items():
     for k, v in r['ratios'].items():
       fmt = lambda x: '-' if x is None else f'{x:.2f}'
-      lines.append(f'| {name} | {r["mean_loops"]:.2f} | {k[3:]} | '
+      eng, base = k.split('vs_')
+      lines.append(f'| {name} | {r["mean_loops"]:.2f} | {eng[:-1] or "compacted"} vs {base} | '
                    f'{v["wall_saving"]:.1%} | {v["flop_saving"]:.1%} | '
                    f'{fmt(v["realized_over_flop"])} | {fmt(v["realized_over_flop_min"])} |')
   return '\n'.join(lines) + '\n'

@@ -217,6 +217,9 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert v['a0']['core_keys'] == model_lib.causal_keys(16)
   assert v['a1_masked']['core_keys'] == 16
   assert 16 / 2 < v['a1_compact']['core_keys'] <= 16
+  assert v['a1_pooled']['core_keys'] >= 16  # all B x L queries of L keys, over fewer slots
+  assert set(r['ratios']) == {
+      'vs_a0', 'vs_a1_masked', 'pooled_vs_a0', 'pooled_vs_a1_masked'}
   assert (tmp_path / 'exit.md').read_text().count('| nano |') >= 5
   assert r['settle'] == 1  # recorded: each timed call right after an untimed one of its own
   assert r['warmup_rounds'] == 0

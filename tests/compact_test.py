@@ -1,4 +1,5 @@
-"""Compacted early exit (exit.engine=compacted) against the masked engine it must equal."""
+"""Compacted early exit (exit.engine=compacted, and pooled: one buffer for the whole batch)
+against the masked engine it must equal."""
 
 import dataclasses
 import itertools
@@ -114,15 +115,16 @@ def test_prefill_with_compacted_engine_fills_the_same_cache(setup):
   models, toks, _, traces = setup
   eps = _ragged_eps(traces[1], 'kl', 1)
   caches = []
-  for engine in ('masked', 'compacted'):
+  for engine in ('masked', 'compacted', 'pooled'):
     cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=R, engine=engine)
     caches.append(jax.jit(lambda t, c=cfg: decoding.prefill(
         models[1], t, c, jax.random.key(0), 8))(toks[:, :4]))
-  (c1, last1, d1), (c2, last2, d2) = caches
-  np.testing.assert_array_equal(np.asarray(d2), np.asarray(d1))
-  np.testing.assert_allclose(np.asarray(last2), np.asarray(last1), atol=2e-5)
-  for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5)
+  c1, last1, d1 = caches[0]
+  for c2, last2, d2 in caches[1:]:
+    np.testing.assert_array_equal(np.asarray(d2), np.asarray(d1))
+    np.testing.assert_allclose(np.asarray(last2), np.asarray(last1), atol=2e-5)
+    for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5)
 
 
 def test_scheduled_exits_follow_the_schedule(setup):
@@ -216,3 +218,78 @@ def test_compact_keys_is_what_the_compiled_attention_multiplies(cap):
   want = compaction.compact_keys(cap, l)
   assert want <= got <= 1.05 * want
   assert l / 2 < want <= l  # the right-aligned slots' static key ranges
+
+
+def _pooled(mdl, toks, cfg, router=None, **kw):
+  """(masked, pooled) forwards; two-step capacities over the pool keep compilation short."""
+  loops = (inference.exit_loop(cfg, router=router, **kw),
+           inference.pooled_exit_loop(cfg, router=router, steps=2, **kw))
+  return [jax.jit(lambda t, f=f: mdl.forward(t, jax.random.key(0), f))(toks) for f in loops]
+
+
+@pytest.mark.parametrize('policy,n_coda,attention', [
+    ('kl', 2, 'all'), ('reverse_kl', 1, 'all'), ('state_delta', 1, 'all'), ('router', 2, 'all'),
+    ('kl', 1, 'core')])
+def test_pooled_equals_masked(setup, policy, n_coda, attention):
+  """Rows of different lengths of exit in one pool: a coda run on all tokens (two coda
+  blocks), a compacted coda with attention (one), and a coda without attention."""
+  models, toks, router, traces = setup
+  mdl = models[n_coda] if attention == 'all' else _model(n_coda, attention=attention)
+  trace = traces[n_coda] if attention == 'all' else inference.score(
+      mdl, toks, config.ExitConfig(policy='uniform', depth=R), jax.random.key(0),
+      trace=True).traces
+  cfg = config.ExitConfig(policy=policy, eps=_ragged_eps(trace, policy, 1), max_loops=R)
+  ref, got = _pooled(mdl, toks, cfg, router if policy == 'router' else None)
+  assert len(np.unique(np.asarray(ref.aux.depth))) > 1
+  _assert_same(ref, got)
+  np.testing.assert_array_equal(np.asarray(got.aux.counts.depth), np.asarray(ref.aux.depth))
+
+
+def test_pooled_padding_per_row_eps_and_slots(setup):
+  """Padding, a threshold per row (serving's per-request eps) and the pool's executed
+  slots: at each loop the smallest capacity over B x L that holds the batch's active
+  tokens."""
+  models, toks, _, traces = setup
+  active = jnp.asarray(np.random.default_rng(2).random((B, L)) < 0.7)
+  base = _ragged_eps(traces[1], 'kl', 1)
+  eps_Bx1 = jnp.asarray([[base], [base * 3]], jnp.float32)
+  cfg = config.ExitConfig(policy='kl', eps=eps_Bx1, max_loops=R)
+  ref, got = _pooled(models[1], toks, cfg, active_BxL=active)
+  _assert_same(ref, got)
+  depth = np.asarray(got.aux.depth)
+  assert np.all(depth[~np.asarray(active)] == 0)
+  caps = recurrence.capacities(B * L, 2)
+  per_loop = [(depth >= i).sum() for i in range(1, int(got.aux.loops) + 1)]
+  assert int(got.aux.slots) == sum(min(c for c in caps if c >= n) for n in per_loop)
+
+
+def test_pooled_attention_equals_float64_reference():
+  """A pool's queries (flat indices of any rows) over their own rows' keys vs a numpy loop."""
+  b, l, h, g, k, c = 3, 8, 4, 2, 8, 10
+  r = np.random.default_rng(7)
+  flat = np.sort(r.choice(b * l, c - 2, replace=False))
+  idx = np.concatenate([np.full(2, b * l), flat])[None]  # two padding slots first
+  pos = model_lib.positions(jnp.zeros((b, l), jnp.int32))
+  q, kk, vv = (r.normal(size=s).astype(np.float32) for s in ((1, c, h, k), (b, g, l, k),
+                                                             (b, g, l, k)))
+  got = np.asarray(compaction.pooled_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(vv),
+                                               jnp.asarray(idx, jnp.int32), pos))
+  for s, hi in itertools.product(range(2, c), range(h)):
+    bi, p = divmod(int(idx[0, s]), l)
+    logit = kk[bi, hi // (h // g), :p + 1].astype(np.float64) @ q[0, s, hi] / np.sqrt(k)
+    w = np.exp(logit - logit.max())
+    want = (w / w.sum()) @ vv[bi, hi // (h // g), :p + 1].astype(np.float64)
+    np.testing.assert_allclose(got[0, s, hi], want, atol=1e-5)
+
+
+@pytest.mark.parametrize('c', [16, 48])
+def test_pooled_keys_is_what_the_compiled_attention_multiplies(c):
+  """pooled_keys(C, B, L) x 4 H K FLOPs per buffer slot against XLA's own count."""
+  b, l, h, g, k = 4, 16, 2, 1, 64
+  q, kv = jnp.zeros((1, c, h, k)), jnp.zeros((b, g, l, k))
+  idx, pos = jnp.zeros((1, c), jnp.int32), model_lib.positions(jnp.zeros((b, l), jnp.int32))
+  ca = jax.jit(compaction.pooled_attention).lower(q, kv, kv, idx, pos).compile().cost_analysis()
+  got = float((ca if isinstance(ca, dict) else ca[0])['flops']) / (4 * h * c * k)
+  want = compaction.pooled_keys(c, b, l)
+  assert want <= got <= 1.05 * want
+  assert want == b * l * l / c  # every row's queries over all its keys
