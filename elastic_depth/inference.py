@@ -2,8 +2,9 @@
 
 Parallel semantics (`score`, documented in WORKSPACE.md): all positions run together;
 at loop i a token attends to every earlier token's keys/values of loop min(i, its exit
-depth). With no exit this is exactly the training computation at uniform depth. Two
-engines run it: `exit_loop` (masked) and `compact_exit_loop` (active tokens only).
+depth). With no exit this is exactly the training computation at uniform depth. Three
+engines run it: `exit_loop` (masked), `compact_exit_loop` (active tokens only, per-row
+buffers) and `pooled_exit_loop` (one buffer for the whole batch).
 Cached decoding (one token at a time over a KV cache) is in `decoding`.
 """
 
@@ -210,7 +211,8 @@ def _compact_readout(model, buf: _Buffer, put_idx, s_new, lay: _Layout, coda_kv,
   """
   if compact_coda:
     def run():
-      h, kv = model.decode_state(s_new, buf.pos, [lay.kv_fn(x, put_idx, buf.pos) for x in coda_kv])
+      fns = [lay.kv_fn(x, put_idx, buf.pos) for x in coda_kv]
+      h, kv = model.decode_state(s_new, buf.pos, fns)
       return h, keep_kv(model.coda, kv, coda_kv)
     return lax.cond(read, run, lambda: (jnp.zeros_like(s_new), coda_kv))
   if needs_head:  # later coda blocks depend on every token: run all, gather
@@ -314,7 +316,8 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     c = model.cfg
     b, l = s0.shape[:2]
     lay = _row_layout(pos) if layout is None else layout
-    zeros = jnp.zeros((lay.pos.shape[0], c.num_kv_heads, lay.pos.shape[1], c.head_dim), inj.dtype)
+    rows, cols = lay.pos.shape
+    zeros = jnp.zeros((rows, c.num_kv_heads, cols, c.head_dim), inj.dtype)
     compact_coda = needs_head and c.n_coda <= 1
     # tokens inactive from the start offer the coda keys/values of their initial state
     pad = compact_coda and active_BxL is not None
@@ -334,7 +337,8 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     per = lambda n: n.astype(jnp.float32) / (b * l) + 1.0  # + the final readout
     counts = Counts(res.slots.astype(jnp.float32) / (b * l), per(n_coda), per(n_head),
                     res.depth, chk.coda_BxL + 1, chk.head_BxL + 1,
-                    _compact_core_keys(res.phase_slots, recurrence.capacities(l, steps), lay.keys))
+                    _compact_core_keys(res.phase_slots, recurrence.capacities(l, steps),
+                                       lay.keys))
     return res.state, CompactAux(res.depth, _group_major(kv), res.loops, res.slots, {}, counts)
   return loop
 
@@ -358,12 +362,15 @@ def pooled_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: b
   (`compaction.pooled_attention`: all B x L queries, cheap for short rows). Depths,
   logits and keys/values equal exit_loop's. The aux output is a CompactAux.
   """
+  del targets_BxL  # only read by traces
+  if trace:
+    raise ValueError('error: per-loop traces need exit.engine=masked')
   flat = lambda x: None if x is None else x.reshape((1, -1) + x.shape[2:])
 
   def loop(model: LoopedLM, s0, inj, pos):
     lay = _pooled_layout(pos)
     eps = cfg.eps if jnp.ndim(cfg.eps) == 0 else flat(jnp.broadcast_to(cfg.eps, pos.shape))
-    inner = compact_exit_loop(dataclasses.replace(cfg, eps=eps), router=router, targets_BxL=targets_BxL, trace=trace,
+    inner = compact_exit_loop(dataclasses.replace(cfg, eps=eps), router=router,
                               exit_mask_BxL=flat(exit_mask_BxL), active_BxL=flat(active_BxL),
                               schedule_BxL=flat(schedule_BxL), steps=steps, layout=lay)
     s, aux = inner(model, flat(s0), flat(inj), flat(pos))

@@ -141,8 +141,9 @@ def test_capacities_and_bad_engine():
   assert recurrence.capacities(12, 4) == (1, 2, 3, 6, 9, 12)
   with pytest.raises(config.ConfigError, match='exit.engine'):
     config.validate(config.Config(exit=config.ExitConfig(engine='sparse')))
-  with pytest.raises(ValueError, match='traces need exit.engine=masked'):
-    inference.compact_exit_loop(config.ExitConfig(), trace=True)
+  for make in (inference.compact_exit_loop, inference.pooled_exit_loop):
+    with pytest.raises(ValueError, match='traces need exit.engine=masked'):
+      make(config.ExitConfig(), trace=True)
 
 
 def test_right_aligned_slots():
