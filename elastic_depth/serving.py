@@ -22,7 +22,11 @@ rows (their states, positions, logits and cache rows) into a buffer of the small
 0, 1, 2, 4, ..., B slots that holds them (one lax.switch branch each), runs the pass
 there and scatters its results and fresh keys/values back (padding slots dropped).
 `run(..., compact=False)` runs them over all B rows whenever any row needs them (the
-engine before compaction, a benchmark baseline). The Counts below record what executed.
+engine before compaction, a benchmark baseline). A row's readout and admission run at
+the start of the step after its exit (`_flush`); with `wait_rows` > 1 an exited row idles
+until that many rows wait (or none has a token in flight), so the passes run less often
+and fuller, at the price of idle core slots (wait_rows = B: lockstep's schedule, with
+each row's own depths). The Counts below record what executed.
 """
 
 import dataclasses
@@ -75,6 +79,8 @@ class State(NamedTuple):
   init: jax.Array          # [T, 1, D] initial state of a token at each position
   counts: Counts
   run: jax.Array           # [B] state_delta: loops in a row with the change below eps
+  wait: jax.Array          # [B] its token exited; its readout and next admission pending
+  unread: jax.Array        # [B] of which the final readout of s is pending (no check's)
 
 
 def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
@@ -207,11 +213,41 @@ def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
   return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
 
 
-def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps,
-          st: State) -> State:
-  """One engine step: a core loop for every in-flight token, exits, admissions."""
+def _zero_kv(model: LoopedLM, b: int) -> list:
+  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  return [(z, z)] * model.cfg.n_coda
+
+
+def _write_coda(st: State, kv, rows_B) -> list:
+  """The coda caches with rows_B's fresh (k, v) at their positions."""
+  return [_row_kv(c, st.pos, rows_B, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
+
+
+def _flush(model: LoopedLM, st: State, caps, rng, temperature: float, wait_rows: int,
+           force: bool = False) -> State:
+  """The waiting rows' final readouts and admissions, once wait_rows rows wait (or no row
+  has a token in flight, or force): one pass of each for all of them."""
   n_new = st.depth.shape[1]
-  act = st.n < n_new
+  running = (st.n < n_new) & ~st.wait
+  go = jnp.any(st.wait) & ((jnp.sum(st.wait) >= wait_rows) | ~jnp.any(running) | force)
+  flushed = st.wait & go
+  need = flushed & st.unread
+  (logits, kv), n_final = _final(model, st, st.s, need, st.logits,
+                                 _zero_kv(model, st.s.shape[0]), caps)
+  c = st.counts
+  st = st._replace(cache=st.cache._replace(coda=_write_coda(st, kv, need)), logits=logits,
+                   wait=st.wait & ~go, unread=st.unread & ~go,
+                   counts=c._replace(readout_rows=c.readout_rows + n_final))
+  return _admit(model, st, flushed & (st.n < n_new), st.pos + 1, rng, temperature, caps)
+
+
+def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps,
+          wait_rows: int, st: State) -> State:
+  """One engine step: the waiting rows' readouts and admissions (`_flush`), then a core loop
+  for every in-flight token and its exit check; exits wait for the next flush."""
+  st = _flush(model, st, caps, rng, temperature, wait_rows)
+  n_new = st.depth.shape[1]
+  act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
   s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.inj, st.pos[:, None], f),
                                st.cache.core, st.pos, act)
@@ -220,20 +256,18 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   run = policies.run_below(delta, eps_B, i, st.run, act)
   fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps, delta, run)
   done = fire | (act & (i >= inference.loop_cap(cfg)))
-  (logits, kv), n_final = _final(model, st, s_new, done & ~ran, logits, kv, caps)
   rows = jnp.arange(act.shape[0])
-  coda = [_row_kv(c, st.pos, done, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
   b = jnp.int32(act.shape[0])
   c = st.counts
   counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
-                      readout_rows=c.readout_rows + n_pair + n_final)
-  st = st._replace(cache=st.cache._replace(core=core, coda=coda), s=s_new, loop=i, run=run,
-                   n=st.n + done.astype(jnp.int32),
-                   logits=jnp.where(done[:, None], logits, st.logits), depth=depth,
-                   counts=counts)
-  return _admit(model, st, done & (st.n < n_new), st.pos + 1, rng, temperature, caps)
+                      readout_rows=c.readout_rows + n_pair)
+  read = done & ran  # a firing check's logits and coda keys/values are the token's
+  return st._replace(cache=st.cache._replace(core=core, coda=_write_coda(st, kv, read)),
+                     s=s_new, loop=i, run=run, n=st.n + done.astype(jnp.int32),
+                     logits=jnp.where(read[:, None], logits, st.logits), depth=depth,
+                     counts=counts, wait=st.wait | done, unread=st.unread | (done & ~ran))
 
 
 def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
@@ -281,36 +315,43 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
              jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
              jnp.zeros((b, n_new), jnp.int32), init,
-             Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32))
+             Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32),
+             jnp.zeros((b,), bool), jnp.zeros((b,), bool))
   st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
   return st, res.depth, eps_B
 
 
 def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
-        temperature: float = 0.0, compact: bool = True) -> State:
+        temperature: float = 0.0, compact: bool = True, wait_rows: int = 1) -> State:
   """Engine steps until every row has produced `until` tokens (default: all n_new).
 
   compact=False runs the readouts and admissions over all B rows whenever any row needs
-  them (the engine before compaction; a benchmark baseline).
+  them (the engine before compaction; a benchmark baseline). wait_rows: a row whose token
+  exited idles until that many rows wait (or none has a token in flight), then their
+  readouts and admissions run as one pass each: fewer, fuller passes for idle core slots
+  (1: every step's exits at the next step, as soon as possible). Tokens and depths do not
+  depend on it.
   """
   n_new, b = st.depth.shape[1], st.depth.shape[0]
   until = n_new if until is None else until
   caps = compaction.pow2_capacities(b) if compact else (0, b)
   cond = lambda st: jnp.any(st.n < jnp.minimum(until, n_new))
-  return lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, rng, temperature, caps, st),
-                        st)
+  st = lax.while_loop(
+      cond, lambda st: _step(model, cfg, eps_B, rng, temperature, caps, wait_rows, st), st)
+  return _flush(model, st, caps, rng, temperature, wait_rows, force=True)
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              eps_B=None, prompt_len_B=None, temperature: float = 0.0,
-             compact: bool = True) -> Generation:
+             compact: bool = True, wait_rows: int = 1) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
-  Args: as `start`; compact as `run`.
+  Args: as `start`; compact and wait_rows as `run`.
   Returns:
     Generation (tokens, per-token depths, prompt depths, executed Counts).
   """
   st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
                             prompt_len_B=prompt_len_B, temperature=temperature)
-  st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact)
+  st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact,
+           wait_rows=wait_rows)
   return Generation(st.tokens, st.depth, pdepth, st.counts)

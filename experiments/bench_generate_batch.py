@@ -50,6 +50,10 @@ _SHAPE = flags.DEFINE_string('serve_shape', 'S', 'Random-init shape without --wo
 _PREFILL_ENGINE = flags.DEFINE_enum_class('prefill_engine', config.ExitEngine.COMPACTED,
                                           config.ExitEngine, 'A1\'s prefill engine '
                                           '(exit.engine; A0 runs every prompt token to its depth).')
+_WAIT = flags.DEFINE_integer('wait_rows', 0, 'The waiting depth-wise variant: exited rows idle '
+                             'until this many wait, then one readout and admission pass '
+                             'takes them all (serving.run\'s wait_rows; 0: the whole batch).',
+                             lower_bound=0)
 _PREFILL_STEPS = flags.DEFINE_integer('prefill_compact_steps', 4, 'exit.compact_steps of A1\'s '
                                       'compacted prefill (buffers: multiples of P / this).',
                                       lower_bound=1)
@@ -164,7 +168,7 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
 
 
 def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
-  """A0, A1 depth-wise (compacted, all-rows) and A1 lockstep at batch b (times: medians)."""
+  """A0, A1 depth-wise (compacted, waiting, all-rows) and A1 lockstep at batch b (medians)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
   prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
   a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
@@ -173,6 +177,8 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
                              compact_steps=_PREFILL_STEPS.value)
   fns = {'a0': jax.jit(lambda p: decoding.generate(mdl, p, n, a0_cfg, rng)),
          'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
+         'a1_waiting': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
+                                                          wait_rows=_WAIT.value or b)),
          'a1_allrows': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
                                                           compact=False)),
          'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
@@ -231,21 +237,22 @@ def _markdown(doc: dict) -> str:
 def _phase_markdown(doc: dict) -> list:
   """The decode phase (call - prefill, paired per round), the prefill, and end to end."""
   f = lambda x, fmt='.2f': '-' if x is None else format(x, fmt)
-  lines = ['', f'Per phase (A1 prefill engine: {doc.get("prefill_engine")}); end to end: the '
-           'loop saving over prompt + generated tokens.', '',
-           '| B | decode tok/s A0 / depth-wise / lockstep | decode realized / loop: depth-wise; '
-           'lockstep | prefill ms A0 / depth-wise / lockstep (prompt loops A0 / A1) | '
-           'end-to-end realized / loop (all tokens): depth-wise; lockstep |', '|' + '---|' * 5]
+  lines = ['', f'Per phase (A1 prefill engine: {doc.get("prefill_engine")}; waiting: '
+           f'depth-wise with wait_rows {doc.get("wait_rows") or "B"}); end to end: the loop '
+           'saving over prompt + generated tokens.', '',
+           '| B | decode tok/s A0 / depth-wise / waiting / lockstep | decode realized / loop: '
+           'depth-wise; waiting; lockstep | prefill ms A0 / depth-wise / lockstep (prompt loops '
+           'A0 / A1) | end-to-end realized / loop (all tokens): depth-wise; waiting; lockstep |',
+           '|' + '---|' * 5]
   for b, r in doc['batches'].items():
-    a0, a1, ls = r['a0'], r['a1_depthwise'], r['a1_lockstep']
+    a0, a1, wt, ls = r['a0'], r['a1_depthwise'], r['a1_waiting'], r['a1_lockstep']
+    tok = ' / '.join(f(x['decode_tokens_per_s'], '.0f') for x in (a0, a1, wt, ls))
+    dec = '; '.join(f(x['decode_realized_over_loop']) for x in (a1, wt, ls))
+    e2e = '; '.join(f(x['realized_over_loop_all_tokens']) for x in (a1, wt, ls))
     lines.append(
-        f'| {b} | {f(a0["decode_tokens_per_s"], ".0f")} / {f(a1["decode_tokens_per_s"], ".0f")} / '
-        f'{f(ls["decode_tokens_per_s"], ".0f")} | {f(a1["decode_realized_over_loop"])}; '
-        f'{f(ls["decode_realized_over_loop"])} | {a0["prefill_s"] * 1e3:.2f} / '
+        f'| {b} | {tok} | {dec} | {a0["prefill_s"] * 1e3:.2f} / '
         f'{a1["prefill_s"] * 1e3:.2f} / {ls["prefill_s"] * 1e3:.2f} '
-        f'({a0["prompt_mean_loops"]:.2f} / {a1["prompt_mean_loops"]:.2f}) | '
-        f'{f(a1["realized_over_loop_all_tokens"])}; '
-        f'{f(ls["realized_over_loop_all_tokens"])} |')
+        f'({a0["prompt_mean_loops"]:.2f} / {a1["prompt_mean_loops"]:.2f}) | {e2e} |')
   return lines
 
 
@@ -268,7 +275,7 @@ def main(calibrate) -> None:
              glibc_tunables=bench_util.glibc_tunables(),
              new_tokens=_F.new_tokens, prompt_len=_F.prompt_len, a0_depth=a0_depth, r_max=r_max,
              prefill_engine=_PREFILL_ENGINE.value.value,
-             prefill_compact_steps=_PREFILL_STEPS.value,
+             prefill_compact_steps=_PREFILL_STEPS.value, wait_rows=_WAIT.value,
              batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps']) for b in sizes})
   doc['loadavg_end'] = os.getloadavg()
   out = _F.out if _F.out != 'runs/bench_generate.json' else 'runs/bench_generate_batch.json'

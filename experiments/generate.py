@@ -6,7 +6,8 @@
 Each --prompt is one row of a batch run by the depth-wise engine (elastic_depth.serving):
 every row exits per token on its own, with its own eps (one value, or one per prompt).
 Tokens are printed as they are produced (one prompt: the text; several: one line per
-token, tagged with the row); --show_depths adds each token's loops as [d].
+token, tagged with the row); --show_depths adds each token's loops as [d];
+--prefill_engine=pooled prefills all prompts' tokens through one compacted buffer.
 """
 
 import sys
@@ -22,6 +23,9 @@ _NEW = flags.DEFINE_integer('max_new_tokens', 32, 'Tokens generated per prompt.'
 _MAX_LOOPS = flags.DEFINE_integer('max_loops', 0, 'Loop cap (0: the training r_max).')
 _TEMP = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature (0: greedy).')
 _SHOW = flags.DEFINE_bool('show_depths', False, 'Print each token\'s loops as [d].')
+_PREFILL = flags.DEFINE_enum('prefill_engine', None, ['masked', 'compacted', 'pooled'],
+                             'exit.engine of the prompts\' prefill (default: the checkpoint '
+                             'config\'s; pooled: one buffer for all prompts\' tokens).')
 
 
 def _fail(msg: str):
@@ -85,7 +89,8 @@ def main(argv):
   except (common.SetupError, checkpoint.CheckpointError, data_lib.DataError) as e:
     _fail(str(e))
   b, n = len(plen), _NEW.value
-  ecfg = dataclasses.replace(cfg.exit, policy='kl', max_loops=_MAX_LOOPS.value or cfg.depth.r_max)
+  ecfg = dataclasses.replace(cfg.exit, policy='kl', max_loops=_MAX_LOOPS.value or cfg.depth.r_max,
+                             engine=_PREFILL.value or cfg.exit.engine)
   eps_B = np.asarray(eps * (b // len(eps)) if eps else [ecfg.eps] * b, np.float32)
   rng = jax.random.key(flags.FLAGS.seed)
   t = _TEMP.value

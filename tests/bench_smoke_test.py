@@ -152,8 +152,9 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
     assert 0 < a1['row_utilisation'] <= 1
     assert all(r['sys_s_median'] >= 0 and r['minor_faults_median'] >= 0 for r in rows.values())
   # the depth-wise (compacted or not) and lockstep engines run the same tokens to the same depths
-  al = rows['a1_allrows']
+  al, wt = rows['a1_allrows'], rows['a1_waiting']
   assert rows['a1_lockstep']['mean_loops'] == a1['mean_loops'] == al['mean_loops']
+  assert wt['mean_loops'] == a1['mean_loops'] and wt['engine_steps'] >= a1['engine_steps']
   assert a1['readout_rows'] <= al['readout_rows'] and a1['prelude_rows'] <= al['prelude_rows']
 
 

@@ -200,9 +200,11 @@ def test_bench_exit_on_a_checkpoint_matches_quality_then_times(workdir, tmp_path
 
 
 def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
-  """experiments.generate prints decoding.generate's greedy tokens with their depths."""
+  """experiments.generate prints decoding.generate's greedy tokens with their depths (its
+  prompt prefilled by the pooled engine, decoding.generate's by the masked one)."""
   cmd = [sys.executable, '-m', 'experiments.generate', f'--workdir={workdir}',
-         '--prompt=? 3 1 4 =', '--max_new_tokens=4', '--eps=1e-3', '--show_depths']
+         '--prompt=? 3 1 4 =', '--max_new_tokens=4', '--eps=1e-3', '--show_depths',
+         '--prefill_engine=pooled']
   out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   pieces = re.findall(r'(\S+)\[(\d+)\]', out.stdout.splitlines()[0])

@@ -190,3 +190,27 @@ def test_compacted_passes_equal_all_rows_passes(setup):
   assert {1, 2, 4, 8} <= _assert_counts_replayed(depth, cfg, new.counts, paired=True)
   assert int(new.counts.readout_rows) < int(old.counts.readout_rows)
   assert int(new.counts.prelude_rows) < int(old.counts.prelude_rows)
+
+
+def test_waiting_rows_change_the_schedule_not_the_tokens(setup):
+  """wait_rows: exited rows idle until that many wait. Tokens, depths and caches equal the
+  default engine's; with wait_rows = B every token round lasts its deepest row's loops
+  (lockstep's schedule) and every admission pass takes all B rows."""
+  mdl, rng, cfg, eps_B, out = setup
+  prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
+  b = len(PROMPTS)
+
+  def engine(wait_rows: int):
+    fn = lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e, prompt_len_B=n,
+                                          wait_rows=wait_rows)
+    return jax.jit(fn)(prompts, eps_B, plen)
+  depth = np.asarray(out.depth)
+  for wait_rows in (2, b):
+    got = engine(wait_rows)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(out.tokens))
+    np.testing.assert_array_equal(np.asarray(got.depth), depth)
+    assert int(got.counts.active_rows) == depth.sum()
+    assert int(got.counts.steps) >= int(out.counts.steps)
+  assert int(got.counts.steps) == depth.max(axis=0).sum()
+  assert int(got.counts.prelude_rows) == b * N
+  assert int(out.counts.steps) == depth.sum(axis=1).max()  # the default: no row waits
