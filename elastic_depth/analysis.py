@@ -83,13 +83,15 @@ def trace_outputs(model, inputs_BxL, targets_BxL, key, *, r_max: int):
 
 def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
                    policy: ExitPolicy, min_loops: int, r_max: int, gate: float = 0.0,
-                   mask_only: bool = False, check_every: int = 1, patience: int = 1):
+                   mask_only: bool = False, check_every: int = 1, patience: int = 1,
+                   eps_growth: float = 1.0):
   """(NLL_BxL, inference.Counts) under an exit policy (what policy_curve jits; eps is traced).
 
   With mask_only, only the tokens of mask_BxL (e.g. answer tokens) may exit early.
   """
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                   max_loops=r_max, check_every=check_every, gate=gate, patience=patience)
+                   max_loops=r_max, check_every=check_every, gate=gate, patience=patience,
+                   eps_growth=eps_growth)
   res = inference.score(model, inputs_BxL, cfg, key, router=router,
                         exit_mask_BxL=(mask_BxL > 0) if mask_only else None)
   return losses.nll(res.logits, targets_BxL), res.counts
@@ -97,7 +99,8 @@ def policy_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
 
 def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=None, *,
                    policy: ExitPolicy, min_loops: int, r_max: int, gate: float = 0.0,
-                   mask_only: bool = False, check_every: int = 1, patience: int = 1):
+                   mask_only: bool = False, check_every: int = 1, patience: int = 1,
+                   eps_growth: float = 1.0):
   """policy_outputs in cached semantics: token 0 prefilled, then decode_step per token.
 
   Counts cover the decoded positions 1..L-1 (batch passes: [L-1], per token [B, L-1]);
@@ -108,7 +111,8 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
     raise ValueError('cached semantics has no exit mask: every decoded token may exit '
                      '(use semantics=parallel for curves whose exits are limited to answers)')
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, min_loops=min_loops,
-                   max_loops=r_max, check_every=check_every, gate=gate, patience=patience)
+                   max_loops=r_max, check_every=check_every, gate=gate, patience=patience,
+                   eps_growth=eps_growth)
   toks = jnp.concatenate([inputs_BxL, targets_BxL[:, -1:]], 1)  # the last target's logits
   logits, depth, depth0, n = decoding.score_cached(model, toks, 1, cfg, key, router,
                                                     with_counts=True)
@@ -117,7 +121,8 @@ def cached_outputs(model, inputs_BxL, targets_BxL, key, eps, router, mask_BxL=No
 
 
 _trace_run = nnx.jit(trace_outputs, static_argnames=('r_max',))
-_statics = ('policy', 'min_loops', 'r_max', 'gate', 'mask_only', 'check_every', 'patience')
+_statics = ('policy', 'min_loops', 'r_max', 'gate', 'mask_only', 'check_every', 'patience',
+            'eps_growth')
 _RUNS = {Semantics.PARALLEL: nnx.jit(policy_outputs, static_argnames=_statics),
          Semantics.CACHED: nnx.jit(cached_outputs, static_argnames=_statics)}
 
@@ -258,6 +263,7 @@ class Curve(NamedTuple):
   mask_only: bool = False  # only scored (mask) tokens may exit; the others run R loops
   check_every: int = 1  # checks at min_loops + k * check_every only
   patience: int = 1  # state_delta: consecutive loops below the threshold before an exit
+  eps_growth: float = 1.0  # the threshold at loop i is eps * eps_growth^(i - 2)
 
 
 def uniform_curve(trace: Trace, mcfg) -> dict:
@@ -289,7 +295,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   run = functools.partial(_RUNS[Semantics(curve.semantics)], policy=policy,
                           min_loops=min_loops, r_max=r_max, gate=float(curve.gate),
                           mask_only=curve.mask_only, check_every=curve.check_every,
-                          patience=curve.patience)
+                          patience=curve.patience, eps_growth=curve.eps_growth)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
                          'mean_core_passes', 'mean_readouts', 'mean_heads',
@@ -340,7 +346,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
           trace: Optional[Trace] = None, timing_repeats: int = 3,
           check_every: Sequence[int] = (1,), min_loops: Sequence[int] = (1,),
-          patience: Sequence[int] = (1,), progress: bool = False) -> dict:
+          patience: Sequence[int] = (1,), eps_growth: Sequence[float] = (1.0,),
+          progress: bool = False) -> dict:
   """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
 
   Args:
@@ -366,6 +373,9 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
       (`books.check_books`: '<curve>/min*').
     patience: for each k > 1, every state_delta curve again exiting only after k
       consecutive loops below its threshold (named '<curve>/pat<k>').
+    eps_growth: for each g != 1, every curve again with its threshold at loop i
+      eps * g^(i - 2) (named '<curve>/g<g>'; the books also judge each check over all
+      its growths: '<curve>/g*').
     progress: tqdm bars.
   """
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
@@ -387,6 +397,9 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   specs.update(extra_curves or {})
   specs.update({f'{n}/pat{k}': c._replace(patience=int(k)) for k in patience if int(k) > 1
                 for n, c in list(specs.items()) if c.policy == 'state_delta'})
+  specs.update({f'{n}/g{g:g}': c._replace(eps_growth=float(g)) for g in eps_growth
+                if float(g) != 1.0 for n, c in list(specs.items())
+                if c.policy != 'uniform'})
   specs.update({f'{n}/min{m}': c._replace(min_loops=int(m))
                 for m in min_loops if int(m) > 1 for n, c in list(specs.items())})
   specs.update({f'{n}/every{k}': c._replace(check_every=int(k))
@@ -417,7 +430,8 @@ def wall_clock(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
   fns = {'policy': functools.partial(run, policy=ExitPolicy(curve.policy),
                                      min_loops=curve.min_loops, r_max=r_max,
                                      gate=float(curve.gate), mask_only=curve.mask_only,
-                                     check_every=curve.check_every, patience=curve.patience),
+                                     check_every=curve.check_every, patience=curve.patience,
+                                     eps_growth=curve.eps_growth),
          'a0': functools.partial(run, policy=ExitPolicy.UNIFORM, min_loops=1, r_max=depth)}
   eps = {'policy': jnp.float32(threshold), 'a0': jnp.float32(0.0)}
 

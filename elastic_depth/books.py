@@ -194,10 +194,19 @@ def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> l
                                   curve['mean_heads'], seq_len)).tolist()
 
 
-def _family(name: str) -> Optional[str]:
-  """'kl/min3/every2@cached' -> 'kl/min*/every2@cached'; None without a /min<m> part."""
-  m = re.search(r'/min\d+', name)
-  return None if m is None else name[:m.start()] + '/min*' + name[m.end():]
+_TUNED = {'/min*': r'/min\d+', '/g*': r'/g\d[\d.]*(?:e[+-]?\d+)?'}  # min_loops, eps_growth
+
+
+def _families(name: str) -> list:
+  """The families a curve belongs to, as (family, its member at the default setting):
+  'kl/min3/every2@cached' -> [('kl/min*/every2@cached', 'kl/every2@cached')]; likewise
+  '/g<g>' (eps_growth) -> '/g*'."""
+  out = []
+  for star, pat in _TUNED.items():
+    m = re.search(pat, name)
+    if m is not None:
+      out.append((name[:m.start()] + star + name[m.end():], name[:m.start()] + name[m.end():]))
+  return out
 
 
 def _exact_curve(res: Mapping, name: str, exact: str) -> Optional[Mapping]:
@@ -223,7 +232,8 @@ def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
 
   Curves that differ only in min_loops ('<c>/min<m>', and '<c>' itself: m = 1) are also
   judged together as '<c>/min*': one check, tuned by both its threshold and min_loops,
-  whose frontier at each mean loops is the best of its members' there.
+  whose frontier at each mean loops is the best of its members' there; likewise curves
+  that differ only in eps_growth ('<c>/g<g>', and '<c>': g = 1) as '<c>/g*'.
   """
   big = config_lib.ModelConfig(**config_lib.BLOCKS_135M)
   out, families = {}, {}
@@ -236,9 +246,8 @@ def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
     cost_135m = curve_costs(c, big, SEQ_135M)
     out[name] = {'cost': curve_costs(c, mcfg, seq_len), 'cost_135m': cost_135m,
                  'exact': exact, **_judged(ref, c, cap, cost_135m)}
-    fam = _family(name)
-    if fam is not None:
-      families.setdefault(fam, [fam.replace('/min*', '', 1)]).append(name)
+    for fam, base in _families(name):
+      families.setdefault(fam, [base]).append(name)
   for fam, names in families.items():
     members = [n for n in names if n in out]
     pts = [res['curves'][n] for n in members]

@@ -194,6 +194,8 @@ class ExitConfig:
   check_every: int = 1
   gate: float = 0.0          # gated_kl: consult the KL only where the relative state
                              # change is below this (0: check every eligible loop)
+  eps_growth: float = 1.0    # the threshold at loop i >= 2 is eps * eps_growth^(i - 2)
+                             # (> 1: looser with depth; policies.threshold)
   patience: int = 1          # state_delta: exit once the change has stayed below eps for
                              # this many consecutive loops (counted from loop 2)
   use_kernel: bool = False   # fused Pallas KL (GPU); reference jnp otherwise
@@ -289,7 +291,7 @@ RANGES = {
                   peak_flops=NON_NEGATIVE, loss_chunk=NON_NEGATIVE),
     'exit': dict(eps=NON_NEGATIVE, depth=AT_LEAST_1, min_loops=AT_LEAST_1,
                  max_loops=AT_LEAST_1, check_every=AT_LEAST_1, gate=NON_NEGATIVE,
-                 compact_steps=AT_LEAST_1,
+                 compact_steps=AT_LEAST_1, eps_growth=POSITIVE,
                  patience=AT_LEAST_1),
 }
 

@@ -154,7 +154,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
         cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
         w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel,
         min_loops=cfg.min_loops, check_every=cfg.check_every,
-        max_loops=inference.loop_cap(cfg), patience=cfg.patience)
+        max_loops=inference.loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth)
     carry = carry0(s0)
   res = recurrence.early_exit(
       masked_step, check_fn, s0, cache.core, carry, min_loops=cfg.min_loops,
@@ -219,7 +219,8 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
     n = 2 * run.astype(jnp.int32)
     books = policies.CheckCarry((), books.coda + n, books.head + n,
                                 books.coda_BxL + n * active_Bx1, books.head_BxL + n * active_Bx1)
-    return ((kl < cfg.eps) & gate)[:, None], (logits_c, kv_c, fresh, books), {}
+    eps = policies.threshold(cfg.eps, cfg.eps_growth, i)
+    return ((kl < eps) & gate)[:, None], (logits_c, kv_c, fresh, books), {}
 
   z = jnp.zeros((batch, 1, c.num_kv_heads, c.head_dim), model.dtype)
   carry = (jnp.zeros((batch, c.vocab_size), jnp.float32), [(z, z) for _ in range(c.n_coda)],

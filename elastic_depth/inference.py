@@ -131,7 +131,7 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
         min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate,
-        max_loops=loop_cap(cfg), patience=cfg.patience)
+        max_loops=loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth)
     if exit_mask_BxL is not None:
       check_fn = _masked_check(check_fn, exit_mask_BxL)
     if schedule_BxL is not None:
@@ -272,7 +272,7 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, lay: _Layout, com
           policy, eps=eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
           check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg),
-          patience=cfg.patience)
+          patience=cfg.patience, eps_growth=cfg.eps_growth)
       if exit_c is not None:  # as exit_loop: the mask, then the schedule
         check_fn = _masked_check(check_fn, exit_c)
       if sched_c is not None:

@@ -208,6 +208,13 @@ def _decide(policy: ExitPolicy, stats, i, eps, gate):
   return rules[policy]()
 
 
+def threshold(eps, growth: float, i):
+  """The exit threshold at loop i: eps * growth^(i - 2) from loop 2 on (exit.eps_growth)."""
+  if growth == 1.0:
+    return eps
+  return eps * jnp.float32(growth) ** jnp.maximum(jnp.asarray(i) - 2, 0).astype(jnp.float32)
+
+
 def run_below(delta_BxL, eps, i, run_BxL, active_BxL):
   """Consecutive loops (from loop 2) with delta < eps, updated where the token is active."""
   run = jnp.where((delta_BxL < eps) & (i >= 2), run_BxL + 1, 0)
@@ -218,7 +225,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
                   trace: bool = False, min_loops: int = 1, check_every: int = 1,
-                  gate: float = 0.0, max_loops: Optional[int] = None, patience: int = 1):
+                  gate: float = 0.0, max_loops: Optional[int] = None, patience: int = 1,
+                  eps_growth: float = 1.0):
   """Builds (check_fn, carry0_fn) for `recurrence.early_exit`.
 
   KL criteria run a readout only at the loops whose p_i a check reads (check loops
@@ -241,6 +249,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     gate: gated_kl exits only where the relative state change is below it.
     patience: state_delta exits once the change has been below eps at this many
       consecutive loops from loop 2 on (the run is carried per token).
+    eps_growth: the threshold at loop i is eps * eps_growth^(i - 2) (`threshold`).
   Returns:
     check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
@@ -267,7 +276,10 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
             jnp.zeros((b, l, w_VxD.shape[0]), jnp.float32))
     return empty._replace(prev=prev)
 
+  eps0 = eps
+
   def check_fn(s_new, s_old, carry, i, active=None):
+    eps = threshold(eps0, eps_growth, i)
     active = jnp.ones(s_new.shape[:2], bool) if active is None else active
     stats = {'delta': relative_change(s_new, s_old)}
     if needs_head:

@@ -199,7 +199,8 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, ca
     return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
             rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
   (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
-  return want & (kl < eps_B), want, logits, kv, 2 * cap  # a pair reads 2 states per row
+  eps_i = policies.threshold(eps_B, cfg.eps_growth, i)
+  return want & (kl < eps_i), want, logits, kv, 2 * cap  # a pair reads 2 states per row
 
 
 def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
@@ -253,7 +254,8 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
                                st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
-  run = policies.run_below(delta, eps_B, i, st.run, act)
+  eps_i = policies.threshold(eps_B, cfg.eps_growth, i)
+  run = policies.run_below(delta, eps_i, i, st.run, act)
   fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps, delta, run)
   done = fire | (act & (i >= inference.loop_cap(cfg)))
   rows = jnp.arange(act.shape[0])

@@ -40,6 +40,7 @@ class SweepOptions:
   check_every: tuple[int, ...] = (1,)             # also every curve checked every k loops
   min_loops: tuple[int, ...] = (1,)               # also every curve with no exit before m
   patience: tuple[int, ...] = (1,)                # also state_delta exiting after k loops below
+  eps_growth: tuple[float, ...] = (1.0,)          # also every curve with eps * g^(i - 2) at loop i
 
 
 # EPS_GRID and DELTA are shared with experiments.calibrate_eps
@@ -73,6 +74,10 @@ MIN_LOOPS = flags.DEFINE_list('min_loops', ['1'], 'For each m > 1, every curve a
 PATIENCE = flags.DEFINE_list('patience', ['1'], 'For each k > 1, every state_delta curve '
                              'again, exiting only after k consecutive loops below its '
                              'threshold (<curve>/pat<k>).')
+EPS_GROWTH = flags.DEFINE_list('eps_growth', ['1'], 'For each g != 1, every curve again with '
+                               'its threshold at loop i eps * g^(i - 2) (exit.eps_growth, '
+                               '<curve>/g<g>); the books judge each check over all of them '
+                               'too (<curve>/g*).')
 STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-change '
                                      'thresholds (default: 9 log-spaced points 1e-4..1).')
 
@@ -91,7 +96,15 @@ def options_from_flags() -> SweepOptions:
                       timing_repeats=TIMING_REPEATS.value,
                       check_every=_positive_ints(CHECK_EVERY.value, 'check_every'),
                       min_loops=_positive_ints(MIN_LOOPS.value, 'min_loops'),
-                      patience=_positive_ints(PATIENCE.value, 'patience'))
+                      patience=_positive_ints(PATIENCE.value, 'patience'),
+                      eps_growth=_growths(EPS_GROWTH.value))
+
+
+def _growths(xs) -> tuple[float, ...]:
+  gs = _floats(xs, 'eps_growth') or [1.0]
+  if any(g <= 0 for g in gs):
+    raise common.SetupError(f'--eps_growth: want positive numbers, got {xs}')
+  return tuple(gs)
 
 
 def _positive_ints(xs, name: str) -> tuple[int, ...]:
@@ -156,7 +169,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,
                        extra_curves=extra, timing_repeats=x.timing_repeats,
                        check_every=x.check_every, min_loops=x.min_loops,
-                       patience=x.patience, progress=opts.progress)
+                       patience=x.patience, eps_growth=x.eps_growth, progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('sweep_eps', opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=info,

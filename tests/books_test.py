@@ -170,6 +170,30 @@ def test_sweep_min_loops_curves_and_their_family():
   assert bk['kl/min*']['frontier_vs_exact'] is None  # the exact curve is a member
 
 
+def test_sweep_eps_growth_curves_and_their_family():
+  """--eps_growth adds '<curve>/g<g>' (threshold eps g^(i - 2) at loop i), and the books
+  judge each check over all its growths as '<curve>/g*'."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
+  rs = np.random.default_rng(0)
+  batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
+                  targets=rs.integers(0, 48, (B, L)).astype(np.int32),
+                  mask=np.ones((B, L), np.float32))]
+  grid = [0.0, 1e-30, 1e9]
+  res = analysis.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=grid,
+                       curves=('kl', 'state_delta'), state_delta_grid=grid,
+                       timing_repeats=0, eps_growth=(1.0, 1e35))
+  c = res['curves']
+  # 1e-30 never fires at loop 2, but 1e-30 x 1e35 at loop 3 always does; 0 never; 1e9 at 2
+  for name in ('kl', 'state_delta'):
+    assert c[name]['mean_loops'] == pytest.approx([4.0, 4.0, 2.0])
+    assert c[f'{name}/g1e+35']['mean_loops'] == pytest.approx([4.0, 3.0, 2.0])
+  bk = res['check_books']
+  assert bk['state_delta/g*']['members'] == ['state_delta', 'state_delta/g1e+35']
+  assert bk['state_delta/g*']['frontier_vs_exact'] == books.frontier_gap(
+      c['kl'], [c['state_delta'], c['state_delta/g1e+35']])
+  assert bk['kl/g*']['frontier_vs_exact'] is None  # the exact curve is a member
+
+
 def test_operating_range_compares_only_where_the_exact_loss_is_low():
   exact = {'mean_loops': [2.0, 3.0, 4.0, 6.0], 'loss': [0.5, 0.1, 0.05, 0.04]}
   cheap = {'mean_loops': [2.0, 3.0, 4.0, 6.0], 'loss': [0.5, 0.3, 0.051, 0.04]}

@@ -74,6 +74,7 @@ BAD = {
     'exit.compact_steps': [0, -2],
     'exit.gate': [-0.1, NAN],
     'exit.patience': [0, -1, 2],  # 2: the default policy (kl) has no patience
+    'exit.eps_growth': [0.0, -1.0, NAN],
 }
 
 # Boundary values that must still be accepted.

@@ -225,3 +225,7 @@ def test_sweep_list_flags_name_a_bad_value():
   for bad in (['0'], ['x'], ['2', '-1']):
     with pytest.raises(common.SetupError, match='--min_loops: want positive integers'):
       sweep_eps._positive_ints(bad, 'min_loops')
+  assert sweep_eps._growths(['1', '2.5']) == (1.0, 2.5)
+  for bad in (['0'], ['-2']):
+    with pytest.raises(common.SetupError, match='--eps_growth: want positive numbers'):
+      sweep_eps._growths(bad)

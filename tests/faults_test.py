@@ -196,7 +196,10 @@ def test_corrupt_latest_checkpoints_resume_from_the_last_good_one(reference, tmp
   out = run(wd, '--resume')
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'skipped unusable checkpoint(s) [40, 30]' in out.stdout, out.stdout
-  assert 'checksum' in out.stdout and 'resumed from step 20' in out.stdout
+  # usually the checksum catches the flipped bit; once (CI, 2026-12-05) the message named
+  # no checksum, so orbax itself refused the file (the bit presumably hit zstd framing);
+  # checksum-only detection is pinned by checkpoint_test's garbled state
+  assert 'resumed from step 20' in out.stdout
   assert f'steps 20->{STEPS}' in out.stdout
   assert sorted(os.listdir(os.path.join(wd, 'corrupt_checkpoints')))[0].startswith('30-')
   assert steps_on_disk(wd) == [20, 30, 40]  # saved again after the fall-back

@@ -21,12 +21,14 @@ def setup():
   return mdl, toks
 
 
-def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patience=1):
+def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patience=1,
+                   growth=1.0):
   """Parallel semantics with plain Python loops over loops, blocks and tokens.
 
   stat 'kl' exits where KL(p_i || p_{i-1}) < eps; 'delta' where the relative state change
-  (float64) has been below eps at `patience` consecutive loops from loop 2. Returns the
-  logits, depths and the per-loop statistic of the active tokens.
+  (float64) has been below eps at `patience` consecutive loops from loop 2; at loop i the
+  threshold is eps * growth^(i - 2). Returns the logits, depths and the per-loop
+  statistic of the active tokens.
   """
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
@@ -64,14 +66,15 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patienc
     s_old, s = s, jnp.where(jnp.asarray(active)[..., None], x, s)
     depth += active
     h = mdl.decode_state(s, pos)[0]
+    eps_i = eps * growth ** max(i - 2, 0)
     if stat == 'kl':
       kl = kl_np(h.reshape(b * l, -1), h_prev.reshape(b * l, -1),
                   mdl.head_weight()).reshape(b, l)
-      fire = kl < eps
+      fire = kl < eps_i
     else:
       a, o = np.asarray(s, np.float64), np.asarray(s_old, np.float64)
       kl = np.linalg.norm(a - o, axis=-1) / np.linalg.norm(a, axis=-1)
-      run = np.where(active, np.where((kl < eps) & (i >= 2), run + 1, 0), run)
+      run = np.where(active, np.where((kl < eps_i) & (i >= 2), run + 1, 0), run)
       fire = run >= patience
     kls.append(np.where(active, kl, np.nan))
     if i >= max(min_loops, 2):
@@ -119,6 +122,24 @@ def test_state_change_patience_matches_brute_force(setup):
   with pytest.raises(ValueError, match='exit.patience=1'):
     inference.score(mdl, toks, cfg, rng, trace=True)
   assert depths[3].mean() > depths[2].mean() > depths[1].mean()  # patience waits longer
+
+
+@pytest.mark.parametrize('policy,stat', [('kl', 'kl'), ('state_delta', 'delta')])
+def test_eps_growth_matches_brute_force(setup, policy, stat):
+  """exit.eps_growth: the threshold at loop i is eps * growth^(i - 2), in every engine."""
+  mdl, toks = setup
+  rng = jax.random.key(7)
+  eps = safe_eps(brute_parallel(mdl, toks, -1.0, 1, R, rng, stat=stat)[2]) / 8
+  ref_logits, ref_depth, _ = brute_parallel(mdl, toks, eps, 1, R, rng, stat, growth=2.0)
+  flat_depth = brute_parallel(mdl, toks, eps, 1, R, rng, stat)[1]
+  assert len(np.unique(ref_depth)) > 2 and ref_depth.mean() < flat_depth.mean()
+  cfg = config.ExitConfig(policy=policy, eps=eps, max_loops=R, eps_growth=2.0,
+                          compact_steps=2)
+  for engine in ('masked', 'compacted', 'pooled'):
+    out = jax.jit(lambda t, e=engine: inference.score(
+        mdl, t, dataclasses.replace(cfg, engine=e), rng))(toks)
+    np.testing.assert_array_equal(np.asarray(out.depth), ref_depth, err_msg=engine)
+    np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):

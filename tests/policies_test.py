@@ -183,3 +183,14 @@ def test_confidence_check_fn_against_float64_softmax():
     np.testing.assert_array_equal(np.asarray(want), (conf < eps) if checks else False)
     assert int(carry.coda) == int(carry.head) == int(checks)  # a readout only at checks
   assert 0 < np.sum(conf < eps) < conf.size
+
+
+def test_threshold_grows_geometrically_from_loop_2():
+  """exit.eps_growth: eps at loops 1 and 2, then eps * g^(i - 2); per-row eps broadcast."""
+  eps_B = jnp.asarray([0.1, 0.01])
+  for i in range(1, 7):
+    got = np.asarray(policies.threshold(eps_B, 3.0, jnp.int32(i)))
+    np.testing.assert_allclose(got, np.asarray([0.1, 0.01]) * 3.0 ** max(i - 2, 0), rtol=1e-6)
+  assert policies.threshold(0.5, 1.0, 7) == 0.5  # no growth: the threshold itself
+  per_row = np.asarray(policies.threshold(eps_B, 2.0, jnp.asarray([1, 4])))
+  np.testing.assert_allclose(per_row, [0.1, 0.04], rtol=1e-6)

@@ -29,14 +29,14 @@ def _eps_between(kls):
   return pick(lo, len(v) // 2), pick(len(v) // 2, hi)
 
 
-def _two_tiers(mdl, rng, policy: str, stat: str, patience: int = 1):
+def _two_tiers(mdl, rng, policy: str, stat: str, patience: int = 1, growth: float = 1.0):
   """Depth-wise generation of PROMPTS with two eps tiers taken from the trace of `stat`."""
   prompts = jnp.asarray(PROMPTS, jnp.int32)
   tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
                        trace=True).traces
   eps_lo, eps_hi = _eps_between(list(np.asarray(tr[stat])))
   cfg = config.ExitConfig(policy=policy, eps=eps_hi, max_loops=R, min_loops=2,
-                          patience=patience)
+                          patience=patience, eps_growth=growth)
   eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
   out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
                                                   prompt_len_B=n))(
@@ -141,6 +141,20 @@ def test_state_change_rows_equal_their_own_generation(patience):
   assert len(np.unique(depth)) > 2  # ragged exits
   _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
   _assert_counts_replayed(depth, cfg, out.counts, paired=False)  # only exits read out
+
+
+@pytest.mark.parametrize('policy,stat', [('kl', 'kl'), ('state_delta', 'delta')])
+def test_eps_growth_rows_equal_their_own_generation(policy, stat):
+  """exit.eps_growth in the engine's checks (the paired KL and the state change, per row
+  and loop) as in decoding's: rows equal their lockstep runs, and exit earlier."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  cfg, eps_B, out = _two_tiers(mdl, rng, policy, stat, growth=4.0)
+  _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
+  flat = jax.jit(lambda p, e, n: serving.generate(
+      mdl, p, N, dataclasses.replace(cfg, eps_growth=1.0), rng, eps_B=e, prompt_len_B=n))(
+          jnp.asarray(PROMPTS, jnp.int32), eps_B, jnp.asarray(PLEN, jnp.int32))
+  assert np.asarray(out.depth).mean() < np.asarray(flat.depth).mean()
 
 
 def test_uniform_equals_lockstep_generation():
