@@ -6,9 +6,10 @@
 Per batch size, on the same prompts and in one process: A0 at uniform depth
 (decoding.generate, lockstep: nothing to wait for), A1 through serving.generate (each
 row exits per token on its own; readouts and admissions compacted to the rows that need
-them), the same engine with those passes over all B rows (compact=False, the engine
-before compaction) and A1 in lockstep (decoding.generate: every token runs to the
-batch's deepest). Reported: tokens/s, mean loops, the loop saving
+them), the same engine with exited rows waiting for one shared pass (--wait_rows;
+serving.run's wait_rows), the same engine with its passes over all B rows (compact=False,
+the engine before compaction) and A1 in lockstep (decoding.generate: every token runs to
+the batch's deepest). Reported: tokens/s, mean loops, the loop saving
 1 - loops(A1) / loops(A0), the realized time saving 1 - t(A1) / t(A0) and their ratio,
 end to end (prefill included) and per phase: each variant's prefill (the prompt in parallel
 semantics; A1's through --prefill_engine, compacted by default, so the prompt costs what
