@@ -38,9 +38,10 @@ from jax import lax
 
 from elastic_depth import compaction, decoding, inference, losses, policies
 from elastic_depth.config import ExitConfig, ExitPolicy
-from elastic_depth.model import LoopedLM
+from elastic_depth.model import LoopedLM, keep_kv
 
 _POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.STATE_DELTA)
+_READING_CHECKS = (ExitPolicy.KL, ExitPolicy.GATED_KL)  # their check pass reads the outputs
 
 
 class Counts(NamedTuple):
@@ -172,6 +173,12 @@ def _take_coda(rows, st: State):
   return [tuple(rows.take(c) for c in ck) for ck in st.cache.coda], rows.take(st.pos)
 
 
+def _zero_kv(model: LoopedLM, b: int) -> list:
+  """Per coda block, zero fresh (k, v) [B, 1, G, K]: what a row that read nothing offers."""
+  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  return [(z, z)] * model.cfg.n_coda
+
+
 def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps, delta_B,
            run_B):
   """decode_step's paired check where a row may exit (gated_kl: delta_B < gate; state_delta:
@@ -183,9 +190,8 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, ca
   if cfg.policy == ExitPolicy.GATED_KL:
     want &= delta_B < cfg.gate
   b = act.shape[0]
-  zk = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   skip = (jnp.full((b,), jnp.inf), jnp.zeros((b, model.cfg.vocab_size), jnp.float32),
-          [(zk, zk)] * model.cfg.n_coda)
+          _zero_kv(model, b))
   none = jnp.zeros_like(act)
   if cfg.policy == ExitPolicy.UNIFORM:
     return none, none, skip[1], skip[2], jnp.int32(0)
@@ -214,14 +220,11 @@ def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
   return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
 
 
-def _zero_kv(model: LoopedLM, b: int) -> list:
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  return [(z, z)] * model.cfg.n_coda
-
-
-def _write_coda(st: State, kv, rows_B) -> list:
-  """The coda caches with rows_B's fresh (k, v) at their positions."""
-  return [_row_kv(c, st.pos, rows_B, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
+def _write_coda(model: LoopedLM, st: State, kv, rows_B) -> list:
+  """The coda caches with rows_B's fresh (k, v) at their positions (blocks without
+  attention keep their caches, which nothing reads, as in decode_step)."""
+  new = [_row_kv(c, st.pos, rows_B, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
+  return keep_kv(model.coda, new, st.cache.coda)
 
 
 def _flush(model: LoopedLM, st: State, caps, rng, temperature: float, wait_rows: int,
@@ -236,7 +239,7 @@ def _flush(model: LoopedLM, st: State, caps, rng, temperature: float, wait_rows:
   (logits, kv), n_final = _final(model, st, st.s, need, st.logits,
                                  _zero_kv(model, st.s.shape[0]), caps)
   c = st.counts
-  st = st._replace(cache=st.cache._replace(coda=_write_coda(st, kv, need)), logits=logits,
+  st = st._replace(cache=st.cache._replace(coda=_write_coda(model, st, kv, need)), logits=logits,
                    wait=st.wait & ~go, unread=st.unread & ~go,
                    counts=c._replace(readout_rows=c.readout_rows + n_final))
   return _admit(model, st, flushed & (st.n < n_new), st.pos + 1, rng, temperature, caps)
@@ -266,7 +269,9 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
                       readout_rows=c.readout_rows + n_pair)
   read = done & ran  # a firing check's logits and coda keys/values are the token's
-  return st._replace(cache=st.cache._replace(core=core, coda=_write_coda(st, kv, read)),
+  coda = (_write_coda(model, st, kv, read) if cfg.policy in _READING_CHECKS
+          else st.cache.coda)  # the others never read out at a check (ran is all False)
+  return st._replace(cache=st.cache._replace(core=core, coda=coda),
                      s=s_new, loop=i, run=run, n=st.n + done.astype(jnp.int32),
                      logits=jnp.where(read[:, None], logits, st.logits), depth=depth,
                      counts=counts, wait=st.wait | done, unread=st.unread | (done & ~ran))
