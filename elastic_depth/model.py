@@ -203,13 +203,13 @@ class LoopedLM(nnx.Module):
     """LM head matrix [V, D] (the embedding when tied)."""
     return (self.embed_VxD if self.cfg.tie_embeddings else self.head_VxD)[...]
 
-  def encode(self, tokens_BxL, pos_BxL, kv_fns=None):
+  def encode(self, tokens_BxL, pos_BxL, kv_fns=None, rot: Optional[Rotary] = None):
     """Embedding and prelude; returns the injection e_BxLxD and prelude (k, v)."""
     x = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0)
     if self.cfg.embed_scale != 1.0:
       x = x * self.cfg.embed_scale
     x = x.astype(self.dtype)
-    return _run_blocks(self.prelude, x, pos_BxL, kv_fns)
+    return _run_blocks(self.prelude, x, pos_BxL, kv_fns, rot)
 
   def initial_state(self, e_BxLxD, rng: jax.Array, pos_BxL: jax.Array) -> jax.Array:
     """Recurrent state before the first loop: truncated normal or zeros.
@@ -279,14 +279,14 @@ class LoopedLM(nnx.Module):
       x = dense(s_BxLxD, self.adapter_2DxD[:d].astype(self.dtype)) + inj_BxLxD  # BLD,DD->BLD
     return _run_blocks(self.core, x, pos_BxL, kv_fns, rot)
 
-  def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None):
+  def decode_state(self, s_BxLxD, pos_BxL, kv_fns=None, rot: Optional[Rotary] = None):
     """Coda and final norm: the hidden h_BxLxD that the head reads, and coda (k, v).
 
     With cfg.norm_before_coda the same final norm is applied to the state first (Huginn).
     """
     if self.cfg.norm_before_coda:
       s_BxLxD = self.final_norm(s_BxLxD)
-    x, kvs = _run_blocks(self.coda, s_BxLxD, pos_BxL, kv_fns)
+    x, kvs = _run_blocks(self.coda, s_BxLxD, pos_BxL, kv_fns, rot)
     return self.final_norm(x), kvs
 
   @jax.named_scope('head')

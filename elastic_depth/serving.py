@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import compaction, decoding, inference, losses, policies
+from elastic_depth.attention import Rotary
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM, keep_kv
 
@@ -82,6 +83,7 @@ class State(NamedTuple):
   run: jax.Array           # [B] state_delta: loops in a row with the change below eps
   wait: jax.Array          # [B] its token exited; its readout and next admission pending
   unread: jax.Array        # [B] of which the final readout of s is pending (no check's)
+  rot: Rotary              # [T, 1, 1, K/2] RoPE tables at each position (computed once)
 
 
 def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
@@ -110,6 +112,11 @@ def _run_cached(call, caches, pos_B, write_B):
   return x, new, [f[0] if f else None for f in fresh]
 
 
+def _rot(st: State, pos_C) -> Rotary:
+  """RoPE tables at positions pos_C [C], [C, 1, 1, K/2]: gathered, no sin/cos in a step."""
+  return Rotary(*(jnp.take(t, pos_C, axis=0) for t in st.rot))
+
+
 def _pick(logits_BxV, pos_B, rng, temperature: float):
   """Each row's token at pos_B; sampling keys as decoding.generate's (per position)."""
   if temperature <= 0:
@@ -126,8 +133,9 @@ def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
     pos_C = rows.take(pos_B)
     tok_C = _pick(rows.take(st.logits), pos_C, rng, temperature)
     pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
-    e_C, _, fresh = _run_cached(lambda f: model.encode(tok_C[:, None], pos_C[:, None], f),
-                                pre, pos_C, jnp.ones_like(pos_C, bool))
+    e_C, _, fresh = _run_cached(
+        lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)),
+        pre, pos_C, jnp.ones_like(pos_C, bool))
     put = lambda c, x: _put_rows(c, rows.idx, pos_C, x)
     prelude = [ck if f is None else tuple(put(c, x) for c, x in zip(ck, f))
                for ck, f in zip(st.cache.prelude, fresh)]
@@ -159,11 +167,12 @@ def _pair_kv(cache_kv, pos_B, fresh: list):
   return fn
 
 
-def _coda(model: LoopedLM, caches, pos_B, x, kv_fn):
+def _coda(model: LoopedLM, st: State, caches, pos_B, x, kv_fn):
   """Coda + head over x [B, Q, D] with per-block kv_fn(cache, fresh list): logits, fresh (k, v)."""
   fresh = [[] for _ in caches]
   pos = jnp.broadcast_to(pos_B[:, None], x.shape[:2])
-  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(caches, fresh)])
+  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(caches, fresh)],
+                              _rot(st, pos_B))
   z = jnp.zeros((x.shape[0], 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   return model.logits(h), [f[0] if f else (z, z) for f in fresh]
 
@@ -201,7 +210,7 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, ca
   def pair(rows, kl, logits, kv):
     caches, pos_C = _take_coda(rows, st)
     x = jnp.concatenate([rows.take(st.s), rows.take(s_new)], 1)
-    out, fresh = _coda(model, caches, pos_C, x, lambda c, f: _pair_kv(c, pos_C, f))
+    out, fresh = _coda(model, st, caches, pos_C, x, lambda c, f: _pair_kv(c, pos_C, f))
     return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
             rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
   (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
@@ -214,7 +223,7 @@ def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
   def run(rows, logits, kv):
     caches, pos_C = _take_coda(rows, st)
     write = jnp.ones_like(pos_C, bool)  # into the pass's copy: its own key at pos
-    out, fresh = _coda(model, caches, pos_C, rows.take(s_new),
+    out, fresh = _coda(model, st, caches, pos_C, rows.take(s_new),
                        lambda c, f: _row_kv(c, pos_C, write, f))
     return rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh)
   return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
@@ -253,8 +262,9 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   n_new = st.depth.shape[1]
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
-  s_new, core, _ = _run_cached(lambda f: model.core_step(st.s, st.inj, st.pos[:, None], f),
-                               st.cache.core, st.pos, act)
+  s_new, core, _ = _run_cached(
+      lambda f: model.core_step(st.s, st.inj, st.pos[:, None], f, _rot(st, st.pos)),
+      st.cache.core, st.pos, act)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
   eps_i = policies.threshold(eps_B, cfg.eps_growth, i)
@@ -323,7 +333,8 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
              jnp.zeros((b, n_new), jnp.int32), init,
              Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32),
-             jnp.zeros((b,), bool), jnp.zeros((b,), bool))
+             jnp.zeros((b,), bool), jnp.zeros((b,), bool),
+             model.rotary(jnp.arange(p + n_new)[:, None]))
   st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
   return st, res.depth, eps_B
 
