@@ -336,6 +336,34 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   return out
 
 
+def _grids(curves: Sequence[str], eps_grid, state_delta_grid) -> dict:
+  """Each built-in curve's thresholds; ValueError on an unknown curve."""
+  eps_grid = default_grid() if eps_grid is None else list(eps_grid)
+  grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
+           'confidence': CONFIDENCE_GRID,
+           'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
+  for c in curves:
+    if c not in grids:
+      raise ValueError(f'unknown curve {c!r}; built-in curves: {sorted(grids)}')
+  return grids
+
+
+def _variants(specs: dict, sems, *, check_every, min_loops, patience, eps_growth) -> dict:
+  """The curves again per schedule variant (/pat, /g, /min, /every), then per semantics."""
+  specs = dict(specs)
+  specs.update({f'{n}/pat{k}': c._replace(patience=int(k)) for k in patience if int(k) > 1
+                for n, c in list(specs.items()) if c.policy == 'state_delta'})
+  specs.update({f'{n}/g{g:g}': c._replace(eps_growth=float(g)) for g in eps_growth
+                if float(g) != 1.0 for n, c in list(specs.items())
+                if c.policy != 'uniform'})
+  specs.update({f'{n}/min{m}': c._replace(min_loops=int(m))
+                for m in min_loops if int(m) > 1 for n, c in list(specs.items())})
+  specs.update({f'{n}/every{k}': c._replace(check_every=int(k))
+                for k in check_every if int(k) > 1 for n, c in list(specs.items())})
+  return {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)
+          for sem in sems for n, c in specs.items()}
+
+
 def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: jax.Array,
           r_max: int, ref_depth: float, *, eps_grid: Optional[Sequence[float]] = None,
           delta: float = books.DEFAULT_DELTA, curves: Sequence[str] = ('kl',),
@@ -378,14 +406,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
       its growths: '<curve>/g*').
     progress: tqdm bars.
   """
-  eps_grid = default_grid() if eps_grid is None else list(eps_grid)
-  grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
-           'confidence': CONFIDENCE_GRID,
-           'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
-  for c in curves:
-    if c not in grids:
-      raise ValueError(f'unknown curve {c!r}; built-in curves: {sorted(grids)}')
   sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
+  grids = _grids(curves, eps_grid, state_delta_grid)
   if trace is None:
     trace = trace_batches(model, batches, r_max, rng, progress)
   if gate is None:
@@ -395,17 +417,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     specs['router'] = Curve('router', router_grid or [float(x) for x in
                                                       np.linspace(0.05, 0.95, 10)], router)
   specs.update(extra_curves or {})
-  specs.update({f'{n}/pat{k}': c._replace(patience=int(k)) for k in patience if int(k) > 1
-                for n, c in list(specs.items()) if c.policy == 'state_delta'})
-  specs.update({f'{n}/g{g:g}': c._replace(eps_growth=float(g)) for g in eps_growth
-                if float(g) != 1.0 for n, c in list(specs.items())
-                if c.policy != 'uniform'})
-  specs.update({f'{n}/min{m}': c._replace(min_loops=int(m))
-                for m in min_loops if int(m) > 1 for n, c in list(specs.items())})
-  specs.update({f'{n}/every{k}': c._replace(check_every=int(k))
-                for k in check_every if int(k) > 1 for n, c in list(specs.items())})
-  specs = {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)
-           for sem in sems for n, c in specs.items()}
+  specs = _variants(specs, sems, check_every=check_every, min_loops=min_loops,
+                    patience=patience, eps_growth=eps_growth)
   a0 = uniform_curve(trace, model.cfg)
   out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta), 'gate': gate,
          'tokens': int((trace.mask > 0).sum()), 'a0': a0, 'curves': {}, 'headline': {}}

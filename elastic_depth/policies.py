@@ -7,6 +7,7 @@ passed in as a closure so the same criterion serves parallel scoring and cached
 decoding.
 """
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -221,6 +222,22 @@ def run_below(delta_BxL, eps, i, run_BxL, active_BxL):
   return jnp.where(active_BxL, run, run_BxL).astype(jnp.int32)
 
 
+def _carry0(s0, *, patient: bool, needs_head: bool, trace: bool, readout, w_VxD,
+            kernel: bool) -> CheckCarry:
+  """make_check_fn's initial CheckCarry for the states s0 [B, L, D]."""
+  b, l = s0.shape[:2]
+  zero = lambda: jnp.zeros((b, l), jnp.int32)
+  empty = CheckCarry(jnp.zeros((), s0.dtype), jnp.int32(0), jnp.int32(0), zero(), zero())
+  if patient:
+    return empty._replace(prev=zero())
+  if not needs_head:
+    return empty
+  if trace:  # the loop-1 stats compare with the initial state's readout
+    return _counted(empty, _flat_logits(readout(s0), w_VxD), jnp.ones((b, l), bool), 1, 1)
+  prev = jnp.zeros_like(s0) if kernel else jnp.zeros((b, l, w_VxD.shape[0]), jnp.float32)
+  return empty._replace(prev=prev)
+
+
 def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None,
                   w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
@@ -262,20 +279,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
   hc = _HeadCheck(policy, readout, w_VxD, targets_BxL, trace, needs_head and not trace and kernel,
                   *check_schedule(policy, min_loops, check_every, max_loops))
 
-  def carry0(s0):
-    b, l = s0.shape[:2]
-    zero = lambda: jnp.zeros((b, l), jnp.int32)
-    empty = CheckCarry(jnp.zeros((), s0.dtype), jnp.int32(0), jnp.int32(0), zero(), zero())
-    if patient:
-      return empty._replace(prev=zero())
-    if not needs_head:
-      return empty
-    if trace:  # the loop-1 stats compare with the initial state's readout
-      return _counted(empty, _flat_logits(readout(s0), w_VxD), jnp.ones((b, l), bool), 1, 1)
-    prev = (jnp.zeros_like(s0) if hc.kernel else
-            jnp.zeros((b, l, w_VxD.shape[0]), jnp.float32))
-    return empty._replace(prev=prev)
-
+  carry0 = functools.partial(_carry0, patient=patient, needs_head=needs_head, trace=trace,
+                             readout=readout, w_VxD=w_VxD, kernel=hc.kernel)
   eps0 = eps
 
   def check_fn(s_new, s_old, carry, i, active=None):
