@@ -6,7 +6,8 @@ attention; AUTO picks by backend, dtype and head dim (`auto_attention_impl`).
 `grouped_attention` is the chunked kernel's core, shared with the compacted scorer
 (`compaction.compact_attention`) and cached decoding; `masked_attention` is one chunk
 under a per-row mask, normalized after the value product (the compacted scorer's
-partial buffers).
+partial buffers); `attention_plus` is the same over a cache and fresh keys kept apart (the
+serving engine's passes, which read their caches without writing them).
 """
 
 from typing import Callable, NamedTuple
@@ -79,6 +80,18 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   return o_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
 
 
+def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
+  """Scaled queries [B, G, R, C, K] (the R = H / G query heads of a kv head) and their fp32
+  scores over k, -inf where not see_BxCxS."""
+  b, c, h, kd = q_BxCxHxK.shape
+  g = k_BxGxSxK.shape[1]
+  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
+  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, h // g, kd).transpose(0, 2, 3, 1, 4) * scale
+  s_BxGxRxCxS = jnp.einsum('bgrck,bgsk->bgrcs', q_BxGxRxCxK, k_BxGxSxK,
+                           preferred_element_type=jnp.float32)
+  return q_BxGxRxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxRxCxS, -jnp.inf)
+
+
 def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
   """Softmax attention of C queries over all S kv-group-major keys/values where see_BxCxS.
 
@@ -87,18 +100,39 @@ def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
   than [.., C, S]. Scores, max and sum in fp32. Every query must see a key.
   """
   b, c, h, kd = q_BxCxHxK.shape
-  g = k_BxGxSxK.shape[1]
-  rep = h // g  # query heads per kv head
-  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
-  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, rep, kd).transpose(0, 2, 3, 1, 4) * scale
-  s_BxGxRxCxS = jnp.einsum('bgrck,bgsk->bgrcs', q_BxGxRxCxK, k_BxGxSxK,
-                           preferred_element_type=jnp.float32)
-  s_BxGxRxCxS = jnp.where(see_BxCxS[:, None, None], s_BxGxRxCxS, -jnp.inf)
+  _, s_BxGxRxCxS = _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS)
   e_BxGxRxCxS = jnp.exp(s_BxGxRxCxS - jnp.max(s_BxGxRxCxS, axis=-1, keepdims=True))
   o_BxGxRxCxK = jnp.einsum('bgrcs,bgsk->bgrck', e_BxGxRxCxS.astype(v_BxGxSxK.dtype), v_BxGxSxK,
                            preferred_element_type=jnp.float32)
   o_BxGxRxCxK = o_BxGxRxCxK / jnp.sum(e_BxGxRxCxS, axis=-1, keepdims=True)
   return o_BxGxRxCxK.astype(v_BxGxSxK.dtype).transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
+
+
+def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_BxNxGxK,
+                   see_QxN) -> jax.Array:
+  """Softmax attention over cached keys (where see_BxQxS) and N fresh ones (where see_QxN).
+
+  The fresh keys/values [B, N, G, K] (token-major) are not written into the group-major
+  cache first: a decode step that attends this way leaves the cache unmodified (no copy
+  of it inside a branch) and writes the fresh keys/values afterwards. One softmax over both
+  key sets, fp32 scores, normalized after the value products. Every query must see a key.
+  """
+  b, c, h, kd = q_BxQxHxK.shape
+  q_BxGxRxQxK, s_BxGxRxQxS = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
+  s_BxGxRxQxN = jnp.einsum('bgrqk,bngk->bgrqn', q_BxGxRxQxK, kn_BxNxGxK.astype(q_BxQxHxK.dtype),
+                           preferred_element_type=jnp.float32)
+  s_BxGxRxQxN = jnp.where(see_QxN, s_BxGxRxQxN, -jnp.inf)
+  m = jnp.maximum(jnp.max(s_BxGxRxQxS, axis=-1, keepdims=True),
+                  jnp.max(s_BxGxRxQxN, axis=-1, keepdims=True))
+  e_old, e_new = jnp.exp(s_BxGxRxQxS - m), jnp.exp(s_BxGxRxQxN - m)
+  dt = v_BxGxSxK.dtype
+  o_BxGxRxQxK = (jnp.einsum('bgrqs,bgsk->bgrqk', e_old.astype(dt), v_BxGxSxK,
+                            preferred_element_type=jnp.float32)
+                 + jnp.einsum('bgrqn,bngk->bgrqk', e_new.astype(dt), vn_BxNxGxK.astype(dt),
+                              preferred_element_type=jnp.float32))
+  o_BxGxRxQxK = o_BxGxRxQxK / (jnp.sum(e_old, axis=-1, keepdims=True)
+                               + jnp.sum(e_new, axis=-1, keepdims=True))
+  return o_BxGxRxQxK.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
 
 
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:

@@ -20,7 +20,10 @@ readout. These readouts and the admission (sampling, prelude and its cache write
 initial state) run on the rows that need them only: `compaction.on_rows` gathers those
 rows (their states, positions, logits and cache rows) into a buffer of the smallest of
 0, 1, 2, 4, ..., B slots that holds them (one lax.switch branch each), runs the pass
-there and scatters its results and fresh keys/values back (padding slots dropped).
+there and scatters its results and fresh keys/values back (padding slots dropped). A pass
+only reads the caches (its queries attend to the cache and to their own fresh keys,
+`attention.attention_plus`); the caches are written after the switch, since an XLA
+conditional that passes a cache through or scatters into it copies the whole cache.
 `run(..., compact=False)` runs them over all B rows whenever any row needs them (the
 engine before compaction, a benchmark baseline). A row's readout and admission run at
 the start of the step after its exit (`_flush`); with `wait_rows` > 1 an exited row idles
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import compaction, decoding, inference, losses, policies
-from elastic_depth.attention import Rotary
+from elastic_depth.attention import Rotary, attention_plus
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM, keep_kv
 
@@ -91,25 +94,45 @@ def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
   return c_BxGxSxK.at[rows, :, pos].set(x_Bx1xGxK[:, 0].astype(c_BxGxSxK.dtype), mode='drop')
 
 
-def _row_kv(cache_kv, pos_B, write_B, fresh: list):
-  """kv_fn: row b writes its (k, v) at pos_B[b] (where write_B) and attends to <= pos_B[b]."""
-  def fn(k, v):
-    fresh.append((k, v))
-    rows = jnp.arange(k.shape[0])
+def _read_kv(cache_kv, pos_B, fresh: list):
+  """kv_fn reading, not writing, the cache: row b's Q queries see its keys before pos_B[b]
+  and each its own fresh key (`attention.attention_plus`); the last query's fresh (k, v)
+  [B, 1, G, K] go to `fresh`, for `_put_fresh` (writing them outside any branch: no copy
+  of the cache)."""
+  def fn(k, v):  # token-major [B, Q, G, K]
+    fresh.append((k[:, -1:], v[:, -1:]))
     s = cache_kv[0].shape[2]
-    idx = jnp.where(write_B, pos_B, s)  # out of range: dropped
-    see = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]
-    return (_put_rows(cache_kv[0], rows, idx, k), _put_rows(cache_kv[1], rows, idx, v),
-            decoding.attend(see))
+    old = (jnp.arange(s)[None, :] < pos_B[:, None])[:, None, :]
+    see = jnp.eye(k.shape[1], dtype=bool)
+    return k, v, lambda q, k_, v_: attention_plus(q, *cache_kv, old, k_, v_, see)
   return fn
 
 
-def _run_cached(call, caches, pos_B, write_B):
-  """call(kv_fns) -> (x, kvs) over per-row caches: (x, new caches, fresh (k, v) or None)."""
+def _row_kv(cache_kv, pos_B, write_B, fresh: list):
+  """kv_fn: row b writes its (k, v) at pos_B[b] (where write_B) and attends to <= pos_B[b]
+  (the core step, outside any branch: written in place, then read)."""
+  def fn(k, v):
+    fresh.append((k, v))
+    s = cache_kv[0].shape[2]
+    new = _put_fresh([cache_kv], pos_B, write_B, [(k, v)])[0]
+    return (*new, decoding.attend((jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]))
+  return fn
+
+
+def _run_cached(call, caches, pos_B):
+  """call(kv_fns) -> (x, kvs) over per-row caches (read only): (x, each block's fresh
+  (k, v) [B, 1, G, K], None for blocks without attention)."""
   fresh = [[] for _ in caches]
-  x, kvs = call([_row_kv(c, pos_B, write_B, f) for c, f in zip(caches, fresh)])
-  new = [kv if f else c for kv, c, f in zip(kvs, caches, fresh)]  # blocks without attention
-  return x, new, [f[0] if f else None for f in fresh]
+  x, _ = call([_read_kv(c, pos_B, f) for c, f in zip(caches, fresh)])
+  return x, [f[0] if f else None for f in fresh]
+
+
+def _put_fresh(caches, pos_B, write_B, fresh: list) -> list:
+  """The caches with row b's fresh (k, v) at pos_B[b] where write_B (None: kept)."""
+  rows = jnp.arange(pos_B.shape[0])
+  put = lambda c, x: _put_rows(c, rows, jnp.where(write_B, pos_B, c.shape[2]), x)
+  return [c if f is None else tuple(put(x, y) for x, y in zip(c, f))
+          for c, f in zip(caches, fresh)]
 
 
 def _rot(st: State, pos_C) -> Rotary:
@@ -129,42 +152,31 @@ def _pick(logits_BxV, pos_B, rng, temperature: float):
 def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
            caps) -> State:
   """Rows in mask_B pick their token at pos_B from st.logits and start it at loop 0."""
-  def run(rows, st):
+  def run(rows, tok, s, inj, kv):  # the pass returns rows; the caches are written below
     pos_C = rows.take(pos_B)
     tok_C = _pick(rows.take(st.logits), pos_C, rng, temperature)
     pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
-    e_C, _, fresh = _run_cached(
-        lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)),
-        pre, pos_C, jnp.ones_like(pos_C, bool))
-    put = lambda c, x: _put_rows(c, rows.idx, pos_C, x)
-    prelude = [ck if f is None else tuple(put(c, x) for c, x in zip(ck, f))
-               for ck, f in zip(st.cache.prelude, fresh)]
-    return st._replace(cache=st.cache._replace(prelude=prelude),
-                       s=rows.put(st.s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
-                       inj=rows.put(st.inj, model.inject(e_C)), pos=rows.put(st.pos, pos_C),
-                       loop=rows.put(st.loop, jnp.zeros_like(pos_C)),
-                       run=rows.put(st.run, jnp.zeros_like(pos_C)),
-                       tokens=st.tokens.at[rows.idx, pos_C].set(tok_C, mode='drop'))
-  st, cap = compaction.on_rows(mask_B, caps, run, lambda st: st, st)
-  return st._replace(counts=st.counts._replace(prelude_rows=st.counts.prelude_rows + cap))
+    e_C, fresh = _run_cached(
+        lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)
+    return (rows.put(tok, tok_C), rows.put(s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
+            rows.put(inj, model.inject(e_C)), jax.tree.map(rows.put, kv, fresh))
+  b = mask_B.shape[0]
+  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  kv0 = [(z, z) if blk.has_attn else None for blk in model.prelude]
+  (tok, s, inj, kv), cap = compaction.on_rows(mask_B, caps, run, lambda *a: a,
+                                              jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0)
+  m = mask_B
+  tokens = st.tokens.at[jnp.arange(b), jnp.where(m, pos_B, st.tokens.shape[1])].set(
+      tok, mode='drop')
+  return st._replace(cache=st.cache._replace(prelude=_put_fresh(st.cache.prelude, pos_B, m, kv)),
+                     s=s, inj=inj, pos=jnp.where(m, pos_B, st.pos), loop=jnp.where(m, 0, st.loop),
+                     run=jnp.where(m, 0, st.run), tokens=tokens,
+                     counts=st.counts._replace(prelude_rows=st.counts.prelude_rows + cap))
 
 
 def _is_check(cfg: ExitConfig, i):
   """Loops whose KL check decoding consults (as in decoding._gated_kl_check)."""
   return (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
-
-
-def _pair_kv(cache_kv, pos_B, fresh: list):
-  """kv_fn for the loop-(i-1) and loop-i queries of each row over its cache (< pos_B) and them."""
-  def fn(k, v):  # [B, 2, G, K]
-    fresh.append((k[:, -1:], v[:, -1:]))  # the loop-i state's keys/values
-    s = cache_kv[0].shape[2]
-    old = jnp.arange(s)[None, None, :] < pos_B[:, None, None]  # [B, 1, S]
-    see = jnp.concatenate([jnp.broadcast_to(old, (pos_B.shape[0], 2, s)),
-                           jnp.broadcast_to(jnp.eye(2, dtype=bool), (pos_B.shape[0], 2, 2))], -1)
-    cat = lambda c, x: jnp.concatenate([c, decoding.group_major(x).astype(c.dtype)], 2)
-    return cat(cache_kv[0], k), cat(cache_kv[1], v), decoding.attend(see)
-  return fn
 
 
 def _coda(model: LoopedLM, st: State, caches, pos_B, x, kv_fn):
@@ -210,7 +222,7 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, ca
   def pair(rows, kl, logits, kv):
     caches, pos_C = _take_coda(rows, st)
     x = jnp.concatenate([rows.take(st.s), rows.take(s_new)], 1)
-    out, fresh = _coda(model, st, caches, pos_C, x, lambda c, f: _pair_kv(c, pos_C, f))
+    out, fresh = _coda(model, st, caches, pos_C, x, lambda c, f: _read_kv(c, pos_C, f))
     return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
             rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
   (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
@@ -222,9 +234,8 @@ def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
   """Rows in need_B (exits without a fresh check) read out their final state."""
   def run(rows, logits, kv):
     caches, pos_C = _take_coda(rows, st)
-    write = jnp.ones_like(pos_C, bool)  # into the pass's copy: its own key at pos
     out, fresh = _coda(model, st, caches, pos_C, rows.take(s_new),
-                       lambda c, f: _row_kv(c, pos_C, write, f))
+                       lambda c, f: _read_kv(c, pos_C, f))
     return rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh)
   return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
 
@@ -232,8 +243,7 @@ def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
 def _write_coda(model: LoopedLM, st: State, kv, rows_B) -> list:
   """The coda caches with rows_B's fresh (k, v) at their positions (blocks without
   attention keep their caches, which nothing reads, as in decode_step)."""
-  new = [_row_kv(c, st.pos, rows_B, [])(*x)[:2] for c, x in zip(st.cache.coda, kv)]
-  return keep_kv(model.coda, new, st.cache.coda)
+  return keep_kv(model.coda, _put_fresh(st.cache.coda, st.pos, rows_B, kv), st.cache.coda)
 
 
 def _flush(model: LoopedLM, st: State, caps, rng, temperature: float, wait_rows: int,
@@ -262,9 +272,11 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   n_new = st.depth.shape[1]
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
-  s_new, core, _ = _run_cached(
-      lambda f: model.core_step(st.s, st.inj, st.pos[:, None], f, _rot(st, st.pos)),
-      st.cache.core, st.pos, act)
+  fresh = [[] for _ in st.cache.core]
+  s_new, kvs = model.core_step(st.s, st.inj, st.pos[:, None],
+                               [_row_kv(c, st.pos, act, f) for c, f in zip(st.cache.core, fresh)],
+                               _rot(st, st.pos))
+  core = keep_kv(model.core, kvs, st.cache.core)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
   eps_i = policies.threshold(eps_B, cfg.eps_growth, i)

@@ -107,3 +107,30 @@ def test_masked_attention_equals_float64_reference(dtype):
         want[bi, ci, hi] = (w / w.sum()) @ vv[bi, hi // 2]
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
   np.testing.assert_allclose(f64(got), want, atol=tol, rtol=tol)
+
+
+def test_attention_plus_equals_float64_reference_over_both_key_sets():
+  """Cached keys under a per-row mask plus fresh token-major keys under a per-query mask
+  (one of them empty for a row), grouped heads, against a float64 softmax over the union."""
+  b, c, s, n, h, g, k = 3, 2, 7, 2, 4, 2, 8
+  rng = np.random.default_rng(11)
+  q, kk, vv = (rng.normal(size=sh).astype(np.float32)
+               for sh in ((b, c, h, k), (b, g, s, k), (b, g, s, k)))
+  kn, vn = (rng.normal(size=(b, n, g, k)).astype(np.float32) for _ in range(2))
+  see = rng.random((b, c, s)) < 0.5
+  see[0] = False  # row 0 sees no cached key: only its fresh ones
+  see_new = np.eye(c, n, dtype=bool)
+  got = attention_lib.attention_plus(*(jnp.asarray(x) for x in (q, kk, vv, see, kn, vn)),
+                                     jnp.asarray(see_new))
+  assert got.shape == (b, c, h, k)
+  want = np.zeros((b, c, h, k))
+  for bi in range(b):
+    for ci in range(c):
+      for hi in range(h):
+        keys = np.concatenate([kk[bi, hi // 2], kn[bi, :, hi // 2]]).astype(np.float64)
+        vals = np.concatenate([vv[bi, hi // 2], vn[bi, :, hi // 2]]).astype(np.float64)
+        sees = np.concatenate([see[bi, ci], see_new[ci]])
+        logit = keys @ q[bi, ci, hi].astype(np.float64) / np.sqrt(k)
+        w = np.where(sees, np.exp(logit - logit[sees].max()), 0.0)
+        want[bi, ci, hi] = (w / w.sum()) @ vals
+  np.testing.assert_allclose(f64(got), want, atol=1e-5, rtol=1e-5)
