@@ -2,12 +2,16 @@
 
   python -m experiments.generate --workdir=runs/tiny --prompt="? 3 1 4 a b =" --show_depths
   python -m experiments.generate --workdir=DIR --prompt=A --prompt=B --eps=1e-3,1e-2
+  python -m experiments.generate --workdir=DIR --prompt=A --prompt=B --exit_policy=state_delta \
+      --eps=0.3 --wait_rows=2
 
 Each --prompt is one row of a batch run by the depth-wise engine (elastic_depth.serving):
 every row exits per token on its own, with its own eps (one value, or one per prompt).
 Tokens are printed as they are produced (one prompt: the text; several: one line per
 token, tagged with the row); --show_depths adds each token's loops as [d];
---prefill_engine=pooled prefills all prompts' tokens through one compacted buffer.
+--prefill_engine=pooled prefills all prompts' tokens through one compacted buffer;
+--exit_policy picks the check (KL by default; state_delta reads out only at the exit);
+--wait_rows lets exited rows share one readout and admission pass.
 """
 
 import sys
@@ -17,8 +21,14 @@ from absl import app, flags, logging
 from experiments import common
 
 _PROMPT = flags.DEFINE_multi_string('prompt', [], 'Prompt text (repeat for a batch).')
-_EPS = flags.DEFINE_list('eps', [], 'KL exit threshold: one, or one per prompt '
-                         '(default: the checkpoint config exit.eps).')
+_EPS = flags.DEFINE_list('eps', [], 'Exit threshold (KL in nats, or the relative state '
+                         'change): one, or one per prompt (default: the checkpoint config '
+                         'exit.eps).')
+_POLICY = flags.DEFINE_enum('exit_policy', 'kl', ['kl', 'gated_kl', 'state_delta'],
+                            'Exit check (state_delta: no readout until the token exits).')
+_WAIT = flags.DEFINE_integer('wait_rows', 1, 'Exited rows idle until this many wait, then '
+                             'share one readout and admission pass (serving.run; 1: none '
+                             'waits). Tokens and depths do not depend on it.')
 _NEW = flags.DEFINE_integer('max_new_tokens', 32, 'Tokens generated per prompt.')
 _MAX_LOOPS = flags.DEFINE_integer('max_loops', 0, 'Loop cap (0: the training r_max).')
 _TEMP = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature (0: greedy).')
@@ -43,6 +53,8 @@ def _check_flags() -> list:
     _fail(f'--max_new_tokens must be >= 1, got {_NEW.value}')
   if _MAX_LOOPS.value < 0 or _TEMP.value < 0:
     _fail('--max_loops and --temperature must be >= 0')
+  if _WAIT.value < 1:
+    _fail(f'--wait_rows must be >= 1, got {_WAIT.value}')
   try:
     eps = [float(e) for e in _EPS.value]
   except ValueError:
@@ -89,14 +101,16 @@ def main(argv):
   except (common.SetupError, checkpoint.CheckpointError, data_lib.DataError) as e:
     _fail(str(e))
   b, n = len(plen), _NEW.value
-  ecfg = dataclasses.replace(cfg.exit, policy='kl', max_loops=_MAX_LOOPS.value or cfg.depth.r_max,
+  ecfg = dataclasses.replace(cfg.exit, policy=_POLICY.value,
+                             max_loops=_MAX_LOOPS.value or cfg.depth.r_max,
                              engine=_PREFILL.value or cfg.exit.engine)
   eps_B = np.asarray(eps * (b // len(eps)) if eps else [ecfg.eps] * b, np.float32)
   rng = jax.random.key(flags.FLAGS.seed)
   t = _TEMP.value
   st, _, eps_B = jax.jit(lambda p, e, l: serving.start(
       mdl, p, n, ecfg, rng, eps_B=e, prompt_len_B=l, temperature=t))(prompt_np, eps_B, plen)
-  step = jax.jit(lambda st, k: serving.run(mdl, st, ecfg, rng, eps_B, until=k, temperature=t))
+  step = jax.jit(lambda st, k: serving.run(mdl, st, ecfg, rng, eps_B, until=k, temperature=t,
+                                           wait_rows=_WAIT.value))
   _stream(step, st, tok, plen, n)
 
 

@@ -218,6 +218,20 @@ def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
   bad = subprocess.run(cmd[:5] + ['--max_new_tokens=0'], cwd=REPO, capture_output=True,
                        text=True, timeout=120, check=False)
   assert bad.returncode == 2 and bad.stderr.startswith('error: --max_new_tokens')
+  # two prompts, the state-change check, exited rows waiting for each other: each row's
+  # tokens and depths are its own decoding.generate's
+  texts = ['? 3 1 4 =', '? 2 =']
+  two = subprocess.run(cmd[:4] + [f'--prompt={x}' for x in texts] + [
+      '--max_new_tokens=3', '--eps=0.3', '--show_depths', '--exit_policy=state_delta',
+      '--wait_rows=2'], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert two.returncode == 0, two.stderr[-3000:]
+  rows = re.findall(r'^(\d): (\S+)\[(\d+)\]$', two.stdout, re.M)
+  sd = config_lib.ExitConfig(policy='state_delta', eps=0.3, max_loops=cfg.depth.r_max)
+  for r, text in enumerate(texts):
+    p = jnp.asarray(vocab.encode_batch([text])[0][None])
+    toks, depth = decoding.generate(mdl, p, 3, sd, jax.random.key(0))
+    got = [(t, int(d)) for row, t, d in rows if int(row) == r]
+    assert got == [(vocab.id_to_token(t), int(d)) for t, d in zip(toks[0, p.shape[1]:], depth[0])]
 
 
 def test_sweep_list_flags_name_a_bad_value():
