@@ -256,22 +256,27 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
   return out + (n,) if with_counts else out
 
 
+def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
+  """Each row's token at position pos_B: greedy at temperature 0, else sampled with a key of
+  (rng, position) only, so a row's samples do not depend on its row in the batch."""
+  if temperature <= 0:
+    return jnp.argmax(logits_BxV, -1).astype(jnp.int32)
+  keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
+  draw = lambda k, x: jax.random.categorical(k, x[None] / temperature)[0]
+  return jax.vmap(draw)(keys, logits_BxV).astype(jnp.int32)
+
+
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              temperature: float = 0.0, router=None):
-  """Samples n_new tokens (greedy at temperature 0); returns (tokens_BxL, depth_Bxn_new)."""
+  """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new)."""
   b, p = prompt_BxP.shape
   total = p + n_new
   cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
   init = initial_states(model, rng, total)
 
-  def pick(logits, key):
-    if temperature <= 0:
-      return jnp.argmax(logits, -1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
-
   def body(carry, t):
     cache, logits = carry
-    tok = pick(logits, jax.random.fold_in(rng, 1_000_003 + t))
+    tok = pick(logits, jnp.full((b,), t), rng, temperature)
     logits, cache, d = decode_step(model, cache, tok, t, cfg, rng, router, init_table=init)
     return (cache, logits), (tok, d)
 

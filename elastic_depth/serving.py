@@ -140,21 +140,12 @@ def _rot(st: State, pos_C) -> Rotary:
   return Rotary(*(jnp.take(t, pos_C, axis=0) for t in st.rot))
 
 
-def _pick(logits_BxV, pos_B, rng, temperature: float):
-  """Each row's token at pos_B; sampling keys as decoding.generate's (per position)."""
-  if temperature <= 0:
-    return jnp.argmax(logits_BxV, -1).astype(jnp.int32)
-  keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
-  draw = lambda k, x: jax.random.categorical(k, x[None] / temperature)[0]
-  return jax.vmap(draw)(keys, logits_BxV).astype(jnp.int32)
-
-
 def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
            caps) -> State:
   """Rows in mask_B pick their token at pos_B from st.logits and start it at loop 0."""
   def run(rows, tok, s, inj, kv):  # the pass returns rows; the caches are written below
     pos_C = rows.take(pos_B)
-    tok_C = _pick(rows.take(st.logits), pos_C, rng, temperature)
+    tok_C = decoding.pick(rows.take(st.logits), pos_C, rng, temperature)
     pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
     e_C, fresh = _run_cached(
         lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)

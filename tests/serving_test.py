@@ -254,3 +254,26 @@ def test_waiting_rows_change_the_schedule_not_the_tokens(setup):
   assert steps[b] == depth.max(axis=0).sum()
   assert int(got.counts.prelude_rows) == b * N
   assert steps[2] > int(out.counts.steps)  # waiting delays the rows that wait
+
+
+def test_sampled_rows_equal_their_own_generation(setup):
+  """At temperature 1 a row's samples depend on (rng, position) only: the depth-wise
+  engine's rows, lockstep decoding's batched rows and each row generated alone agree."""
+  mdl, rng, cfg, _, _ = setup
+  prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
+  gens = {t: jax.jit(lambda p, t=t: decoding.generate(mdl, p, N, cfg, rng, temperature=t))
+          for t in (0.0, 1.0)}
+  hot = lambda p, t: gens[t](p)
+  out = jax.jit(lambda p, n: serving.generate(mdl, p, N, cfg, rng, prompt_len_B=n,
+                                              temperature=1.0))(prompts, plen)
+  m = min(PLEN)
+  batched, _ = hot(prompts[:, :m], 1.0)
+  sampled_differs = False
+  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
+    alone, _ = hot(jnp.asarray([p[:n]], jnp.int32), 1.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(alone[0]))
+    short, _ = hot(jnp.asarray([p[:m]], jnp.int32), 1.0)
+    np.testing.assert_array_equal(np.asarray(batched[b]), np.asarray(short[0]))
+    greedy, _ = hot(jnp.asarray([p[:n]], jnp.int32), 0.0)
+    sampled_differs |= bool(np.any(np.asarray(greedy[0]) != np.asarray(alone[0])))
+  assert sampled_differs  # the test samples
