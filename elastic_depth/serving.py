@@ -108,11 +108,10 @@ def _read_kv(cache_kv, pos_B, fresh: list):
   return fn
 
 
-def _row_kv(cache_kv, pos_B, write_B, fresh: list):
+def _row_kv(cache_kv, pos_B, write_B):
   """kv_fn: row b writes its (k, v) at pos_B[b] (where write_B) and attends to <= pos_B[b]
   (the core step, outside any branch: written in place, then read)."""
   def fn(k, v):
-    fresh.append((k, v))
     s = cache_kv[0].shape[2]
     new = _put_fresh([cache_kv], pos_B, write_B, [(k, v)])[0]
     return (*new, decoding.attend((jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]))
@@ -263,10 +262,8 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   n_new = st.depth.shape[1]
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
-  fresh = [[] for _ in st.cache.core]
   s_new, kvs = model.core_step(st.s, st.inj, st.pos[:, None],
-                               [_row_kv(c, st.pos, act, f) for c, f in zip(st.cache.core, fresh)],
-                               _rot(st, st.pos))
+                               [_row_kv(c, st.pos, act) for c in st.cache.core], _rot(st, st.pos))
   core = keep_kv(model.core, kvs, st.cache.core)
   s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
