@@ -257,8 +257,18 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
 
 
 def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
-  """Each row's token at position pos_B: greedy at temperature 0, else sampled with a key of
-  (rng, position) only, so a row's samples do not depend on its row in the batch."""
+  """Each row's next token: greedy, or sampled with a key of (rng, position) only.
+
+  A row's sample does not depend on its row in the batch (one draw per row).
+
+  Args:
+    logits_BxV: fp32 logits of each row's last token.
+    pos_B: int32 [B] position of each row's new token (its key).
+    rng: the generation key.
+    temperature: 0 for greedy; else logits / temperature are sampled.
+  Returns:
+    int32 [B] tokens.
+  """
   if temperature <= 0:
     return jnp.argmax(logits_BxV, -1).astype(jnp.int32)
   keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)

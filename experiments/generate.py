@@ -24,7 +24,7 @@ _PROMPT = flags.DEFINE_multi_string('prompt', [], 'Prompt text (repeat for a bat
 _EPS = flags.DEFINE_list('eps', [], 'Exit threshold (KL in nats, or the relative state '
                          'change): one, or one per prompt (default: the checkpoint config '
                          'exit.eps).')
-_POLICY = flags.DEFINE_enum('exit_policy', 'kl', ['kl', 'gated_kl', 'state_delta'],
+_POLICY = flags.DEFINE_enum('exit_policy', 'kl', ['kl', 'state_delta'],
                             'Exit check (state_delta: no readout until the token exits).')
 _WAIT = flags.DEFINE_integer('wait_rows', 1, 'Exited rows idle until this many wait, then '
                              'share one readout and admission pass (serving.run; 1: none '
