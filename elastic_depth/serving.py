@@ -190,10 +190,10 @@ def _zero_kv(model: LoopedLM, b: int) -> list:
   return [(z, z)] * model.cfg.n_coda
 
 
-def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, caps, delta_B,
+def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_i, caps, delta_B,
            run_B):
   """decode_step's paired check where a row may exit (gated_kl: delta_B < gate; state_delta:
-  run_B >= patience).
+  run_B >= patience), against the step's thresholds eps_i [B].
 
   Returns (fires, ran, logits of loop i, coda kv, readout rows executed).
   """
@@ -216,7 +216,6 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_B, ca
     return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
             rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
   (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
-  eps_i = policies.threshold(eps_B, cfg.eps_growth, i)
   return want & (kl < eps_i), want, logits, kv, 2 * cap  # a pair reads 2 states per row
 
 
@@ -269,7 +268,7 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
   eps_i = policies.threshold(eps_B, cfg.eps_growth, i)
   run = policies.run_below(delta, eps_i, i, st.run, act)
-  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_B, caps, delta, run)
+  fire, ran, logits, kv, n_pair = _check(model, cfg, st, s_new, act, i, eps_i, caps, delta, run)
   done = fire | (act & (i >= inference.loop_cap(cfg)))
   rows = jnp.arange(act.shape[0])
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
