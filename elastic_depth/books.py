@@ -86,6 +86,25 @@ def delta_flops(d_model: int) -> int:
   return 5 * d_model  # difference, two squared norms, a division
 
 
+def decode_flops(mcfg, prelude, core, coda, head, checks, cache_len: int):
+  """Forward FLOPs per generated token from a decode engine's executed counts.
+
+  Args:
+    mcfg: the model config.
+    prelude, core, coda, head, checks: prelude passes, core loops, coda readouts, head
+      products and state-change checks per generated token as executed (row passes over
+      the batch divided by its tokens), scalars or arrays.
+    cache_len: slots of the cache; every decode pass attends over all of them (masked).
+  Returns:
+    FLOPs per generated token (float or array).
+  """
+  f = model_lib.flops_per_token(mcfg, 0, 2 * cache_len, core_keys=cache_len)
+  prelude, core, coda, head, checks = (np.asarray(x, np.float64)
+                                       for x in (prelude, core, coda, head, checks))
+  return (prelude * f['prelude'] + core * f['loop'] + coda * (f['coda_head'] - f['head'])
+          + head * f['head'] + checks * delta_flops(mcfg.d_model))
+
+
 def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: int):
   """Check work per core loop, in core loops, from per-token executed counts.
 

@@ -16,6 +16,12 @@ semantics; A1's through --prefill_engine, compacted by default, so the prompt co
 its tokens' depths cost) is timed on its own in the same interleaved rounds, and the
 decode phase is the call minus its prefill (paired per round). The decode phase's loop
 saving is the generated tokens'; the end-to-end one counts the prompt's tokens too.
+The decode phase's FLOPs are booked as executed (`books.decode_flops` of each engine's
+counts: lockstep runs every row to the step's deepest row, the depth-wise engine its
+compacted buckets), beside its time saving (realized / FLOP) and the FLOP saving of an
+engine that ran each token's own loops with one readout and a free check (own loops):
+prelude, coda and head do not shrink with depth, so that is the most a loop saving can
+buy where time follows FLOPs.
 With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forced loss in
 cached semantics (analysis.cached_outputs, the semantics generation runs in) is within
 --quality_tol nats of A0's on the validation batches; both losses are reported. Without
@@ -33,7 +39,7 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
-from elastic_depth import analysis, config, decoding, model as model_lib, serving, timing
+from elastic_depth import analysis, books, config, decoding, model as model_lib, serving, timing
 from elastic_depth.config import ExitPolicy
 from experiments import bench_util, common
 
@@ -168,6 +174,41 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
   return row
 
 
+def _per_token_counts(out, b: int, n: int, checked: bool) -> dict:
+  """Passes the decode phase executed per generated token: serving's row counts (buckets),
+  or lockstep's batch passes (every row runs each step's deepest row's loops)."""
+  if isinstance(out, serving.Generation):
+    c, rows = out.counts, b * n
+    core, reads = int(c.core_rows) / rows, int(c.readout_rows) / rows
+    return dict(prelude=int(c.prelude_rows) / rows, core=core, coda=reads, head=reads,
+                checks=core if checked else 0.0)
+  c = out[2]
+  core = float(np.sum(c.core_passes)) / n
+  return dict(prelude=1.0, core=core, coda=float(np.sum(c.coda_passes)) / n,
+              head=float(np.sum(c.head_passes)) / n, checks=core if checked else 0.0)
+
+
+def _flop_fields(row: dict, counts: dict, mcfg, cache_len: int, a0=None) -> dict:
+  """The decode phase's FLOP books (books.decode_flops) beside its time saving.
+
+  own_loops: the FLOP saving of an engine that ran each token's own loops with one
+  readout and a free check: the most time any engine can save, as a fraction of the
+  loop saving, when time follows FLOPs (prelude, coda and head do not shrink with depth).
+  """
+  row['decode_counts'] = counts
+  row['decode_flops'] = float(books.decode_flops(mcfg, **counts, cache_len=cache_len))
+  if a0 is not None:
+    saving = 1 - row['decode_flops'] / a0['decode_flops']
+    ts = row['decode_time_saving']
+    own = float(books.decode_flops(mcfg, 1, row['mean_loops'], 1, 1, 0, cache_len))
+    row.update(decode_flop_saving=saving,
+               decode_realized_over_flops=ts / saving if ts is not None and saving > 0 else None,
+               own_loops_flop_saving=1 - own / a0['decode_flops'])
+    row['own_loops_over_loop'] = (row['own_loops_flop_saving'] / row['loop_saving']
+                                  if row['loop_saving'] > 0 else None)
+  return row
+
+
 def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
   """A0, A1 depth-wise (compacted, waiting, all-rows) and A1 lockstep at batch b (medians)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
@@ -183,13 +224,15 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
          'a1_allrows': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
                                                           compact=False)),
          'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
+  counted = {k: jax.jit(lambda p, c=c: decoding.generate(mdl, p, n, c, rng, with_counts=True))
+             for k, c in (('a0', a0_cfg), ('a1_lockstep', a1_cfg))}
   pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
   calls = {k: functools.partial(f, prompts) for k, f in fns.items()}
   calls.update({f'prefill:{k}': functools.partial(f, prompts) for k, f in pre.items()})
   timed = timing.interleaved(calls, _F.repeats)
   times, rows = timed.times, {}
   for key, fn in fns.items():
-    out = fn(prompts)
+    out = counted[key](prompts) if key in counted else fn(prompts)
     served = isinstance(out, serving.Generation)
     depth, pdepth = (out.depth, out.prompt_depth) if served else (out[1], None)
     pk = 'a1_depthwise' if served else key
@@ -200,6 +243,8 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
     rows[key]['min_s'] = min(times[key])
     rows[key].update(bench_util.usage_fields(timed.usage[key], per_call=False))
     _phase_fields(rows[key], times[key], times[f'prefill:{pk}'], b * n, pdepth, a0)
+    _flop_fields(rows[key], _per_token_counts(out, b, n, key != 'a0'), mdl.cfg,
+                 _F.prompt_len + n, a0)
     if served:  # serving's books
       c = out.counts
       rows[key].update(engine_steps=int(c.steps),
@@ -232,7 +277,7 @@ def _markdown(doc: dict) -> str:
                  f'({al["tokens_per_s"]:.0f}) | {ls["tokens_per_s"]:.0f} | '
                  f'{a0["mean_loops"]:.2f} / {a1["mean_loops"]:.2f} | {a1["loop_saving"]:.1%} | '
                  f'{a1["time_saving"]:.1%} ({al["time_saving"]:.1%}) | {ratio(a1)} ({ratio(al)}) |')
-  return '\n'.join(lines + _phase_markdown(doc)) + '\n'
+  return '\n'.join(lines + _phase_markdown(doc) + _flop_markdown(doc)) + '\n'
 
 
 def _phase_markdown(doc: dict) -> list:
@@ -254,6 +299,23 @@ def _phase_markdown(doc: dict) -> list:
         f'| {b} | {tok} | {dec} | {a0["prefill_s"] * 1e3:.2f} / '
         f'{a1["prefill_s"] * 1e3:.2f} / {ls["prefill_s"] * 1e3:.2f} '
         f'({a0["prompt_mean_loops"]:.2f} / {a1["prompt_mean_loops"]:.2f}) | {e2e} |')
+  return lines
+
+
+def _flop_markdown(doc: dict) -> list:
+  """The decode phase's FLOP books: saving as executed, realized / FLOP, the own-loops bound."""
+  f = lambda x, fmt='.2f': '-' if x is None else format(x, fmt)
+  lines = ['', 'Decode phase, FLOPs as executed (books.decode_flops of each engine\'s counts); '
+           'own loops: an engine that ran each token\'s own loops, one readout, a free check.',
+           '', '| B | GFLOP / token A0 | FLOP saving: depth-wise; waiting; lockstep | realized '
+           '/ FLOP: depth-wise; waiting; lockstep | own-loops FLOP saving / loop saving |',
+           '|' + '---|' * 5]
+  for b, r in doc['batches'].items():
+    v = [r[k] for k in ('a1_depthwise', 'a1_waiting', 'a1_lockstep')]
+    lines.append(f'| {b} | {r["a0"]["decode_flops"] / 1e9:.5f} | '
+                 + '; '.join(f(x['decode_flop_saving'], '.1%') for x in v) + ' | '
+                 + '; '.join(f(x['decode_realized_over_flops']) for x in v)
+                 + f' | {f(v[2]["own_loops_over_loop"])} |')
   return lines
 
 

@@ -133,7 +133,7 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads(out.read_text())
-  assert 'no quality' in doc['model'] and (tmp_path / 'batch.md').read_text().count('\n| ') == 6
+  assert 'no quality' in doc['model'] and (tmp_path / 'batch.md').read_text().count('\n| ') == 9
   assert doc['prefill_engine'] == 'compacted'
   for rows in doc['batches'].values():
     a0, a1 = rows['a0'], rows['a1_depthwise']
@@ -150,6 +150,19 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
     p, g = 4 * a1['prompt_mean_loops'], 3 * a1['mean_loops']
     assert a1['loop_saving_all_tokens'] == pytest.approx(1 - (p + g) / (8 * 7))
     assert 0 < a1['row_utilisation'] <= 1
+    # decode FLOP books from each engine's counts: A0 one pass of everything and 8 loops
+    assert a0['decode_counts'] == dict(prelude=1, core=8, coda=1, head=1, checks=0)
+    ls = rows['a1_lockstep']
+    assert ls['decode_counts']['core'] >= ls['mean_loops'] - 1e-6  # rows run the deepest's
+    assert ls['decode_counts']['checks'] == ls['decode_counts']['core']
+    for r in (a1, ls, rows['a1_waiting']):
+      assert r['decode_flop_saving'] == pytest.approx(1 - r['decode_flops'] / a0['decode_flops'])
+      if r['decode_realized_over_flops'] is not None:
+        assert r['decode_realized_over_flops'] == pytest.approx(
+            r['decode_time_saving'] / r['decode_flop_saving'])
+      # no engine saves more FLOPs than running each token's own loops, one readout
+      assert r['decode_flop_saving'] <= r['own_loops_flop_saving'] + 1e-9
+      assert r['own_loops_over_loop'] is None or 0 < r['own_loops_over_loop'] < 1
     assert all(r['sys_s_median'] >= 0 and r['minor_faults_median'] >= 0 for r in rows.values())
   # the depth-wise (compacted or not) and lockstep engines run the same tokens to the same depths
   al, wt = rows['a1_allrows'], rows['a1_waiting']

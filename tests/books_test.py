@@ -8,7 +8,7 @@ from flax import nnx
 
 from conftest import exit_model_config
 
-from elastic_depth import analysis, books, config
+from elastic_depth import analysis, books, config, decoding
 from elastic_depth import model as model_lib
 
 
@@ -241,3 +241,30 @@ def test_headline_on_hand_built_curve():
   assert h['best']['index'] == 2 and h['uniform_depth_within_delta'] == 8.0
   assert h['points_beating_a0_same_loops'] == sum(
       x < np.interp(m, d0, l0) for m, x in zip(ml, loss))
+
+
+@pytest.mark.parametrize('attention', ['all', 'core'])
+def test_decode_flops_match_the_compiled_decode_step(attention):
+  """One decode step at depth 1 (one pass of everything) against XLA's FLOP count: every
+  pass attends over all cache slots."""
+  cfg = config.ModelConfig(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2,
+                           head_dim=16, mlp_dim=192, n_prelude=1, n_core=2, n_coda=2,
+                           max_len=256, attention=attention)
+  mdl = model_lib.LoopedLM(cfg, nnx.Rngs(0))
+  b, slots = 4, 128
+  ecfg = config.ExitConfig(policy='uniform', depth=1)
+  graphdef, state = nnx.split(mdl)
+
+  def step(state, cache, tok):
+    m = nnx.merge(graphdef, state)
+    return decoding.decode_step(m, cache, tok, 5, ecfg, jax.random.key(0))[0]
+  xla = _compiled_flops(step, state, decoding.init_cache(mdl, b, slots),
+                        jnp.zeros((b,), jnp.int32)) / b
+  # XLA also counts elementwise work (norms, softmax, SwiGLU): a few percent
+  assert xla == pytest.approx(books.decode_flops(cfg, 1, 1, 1, 1, 0, slots), rel=0.1)
+  # doubling the slots adds the attention over them in every block with attention
+  per_key = 2 * 2 * cfg.num_heads * cfg.head_dim
+  blocks = cfg.n_core + (cfg.n_prelude + cfg.n_coda) * (attention == 'all')
+  assert (books.decode_flops(cfg, 1, 1, 1, 1, 0, 2 * slots)
+          - books.decode_flops(cfg, 1, 1, 1, 1, 0, slots)) == pytest.approx(
+              blocks * per_key * slots)

@@ -161,3 +161,60 @@ def test_gated_check_matches_brute_force_in_cached_and_parallel_semantics():
   par = np.asarray(inference.score(mdl, toks, cfg, rng).depth)
   np.testing.assert_array_equal(par == k + 1, ok[k])
   assert np.all(par[~ok[k]] > k + 1)
+
+
+def test_generation_counts_every_rows_deepest_loops():
+  """Lockstep generation's counts: each step runs all rows to the batch's deepest row."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
+  cfg = median_kl_cfg(mdl, prompts, rng, R)
+  toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))(prompts)
+  toks_c, depth_c, counts = jax.jit(
+      lambda p: decoding.generate(mdl, p, 6, cfg, rng, with_counts=True))(prompts)
+  np.testing.assert_array_equal(np.asarray(toks_c), np.asarray(toks))
+  np.testing.assert_array_equal(np.asarray(depth_c), np.asarray(depth))
+  deepest = np.asarray(depth).max(0)
+  assert np.any(np.asarray(depth).min(0) < deepest)  # some step carries a shallower row
+  np.testing.assert_array_equal(np.asarray(counts.core_passes), deepest)
+  np.testing.assert_array_equal(np.asarray(counts.depth)[..., 0].T, np.asarray(depth))
+  uni = config.ExitConfig(policy='uniform', depth=3)
+  _, d3, c3 = jax.jit(lambda p: decoding.generate(mdl, p, 6, uni, rng, with_counts=True))(prompts)
+  assert np.all(np.asarray(d3) == 3) and np.all(np.asarray(c3.core_passes) == 3)
+  assert np.all(np.asarray(c3.coda_passes) == 1) and np.all(np.asarray(c3.head_passes) == 1)
+
+
+def test_argmax_rows_equals_numpy_argmax():
+  """The chunked argmax: first maximum, ties across and inside chunks, padding, NaN."""
+  rs = np.random.default_rng(0)
+  for v in (7, 256, 300, 1024, 2049):
+    x = rs.standard_normal((9, v)).astype(np.float32)
+    x[1, :] = 1.0                                     # all tied: index 0
+    x[2, [5, v - 1]] = 9.0                            # tie across chunks: the first
+    x[3, [v // 2, v // 2 + 1]] = 9.0                  # tie inside a chunk
+    x[4, v - 1] = 9.0                                 # the max in the padded last chunk
+    x[5, [3, v - 2]] = np.nan                         # NaN wins, the first one
+    x[8, [1, 4]] = [np.inf, np.nan]                   # NaN beats +inf
+    x[6, :] = -np.inf
+    x[7, 2] = np.inf
+    got = np.asarray(jax.jit(decoding.argmax_rows)(jnp.asarray(x)))
+    want = np.argmax(x.astype(np.float64), -1)
+    np.testing.assert_array_equal(got, want)
+    assert want[5] == 3 and want[8] == 4
+    np.testing.assert_array_equal(  # without NaN (the chunked path)
+        np.asarray(jax.jit(decoding.argmax_rows)(jnp.asarray(x[:5]))), want[:5])
+
+
+def test_sampling_draws_from_the_softmax():
+  """pick at temperature t: each row's token is a draw from softmax(logits / t)."""
+  v, n, t = 300, 20000, 0.7
+  logits = np.full(v, -4.0, np.float32)
+  logits[[0, 150, 299]] = [1.0, 0.5, 0.0]
+  toks = jax.jit(lambda x: decoding.pick(x, jnp.arange(n), jax.random.key(3), t))(
+      jnp.broadcast_to(jnp.asarray(logits), (n, v)))
+  freq = np.bincount(np.asarray(toks), minlength=v) / n
+  p = np.exp(logits.astype(np.float64) / t)
+  p /= p.sum()
+  se = np.sqrt(p * (1 - p) / n)
+  assert np.all(np.abs(freq - p) < 5 * se + 1e-9)
+  assert abs(freq[[0, 150, 299]].sum() - p[[0, 150, 299]].sum()) < 5 * np.sqrt(0.25 / n)
