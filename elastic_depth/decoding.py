@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import inference, losses, policies, recurrence
-from elastic_depth.attention import Rotary, grouped_attention
+from elastic_depth.attention import grouped_attention
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM, keep_kv
 
@@ -117,19 +117,12 @@ def initial_states(model: LoopedLM, rng, length: int) -> jax.Array:
                              jnp.arange(length)[None])[0][:, None]
 
 
-def rope_table(model: LoopedLM, length: int) -> Rotary:
-  """RoPE's tables at positions 0..length-1, [length, 1, 1, K/2] each (for decode_step)."""
-  return model.rotary(jnp.arange(length)[:, None])
-
-
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
-                router=None, with_counts: bool = False, init_table=None, rot_table=None):
+                router=None, with_counts: bool = False, init_table=None):
   """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]).
 
   init_table: `initial_states(model, rng, S)`, to read the token's initial state from
-  (else drawn here). rot_table: `rope_table(model, S)`, to read RoPE's tables from (else
-  computed here, where XLA fuses cos/sin into every rotation and re-evaluates them per
-  element: 14 us of each prelude/coda attention at B = 32 on ts8).
+  (else drawn here).
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
@@ -138,9 +131,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   """
   tok = token_B[:, None]
   pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
-  rot = (model.rotary(pos_Bx1) if rot_table is None
-         else Rotary(*(lax.dynamic_slice_in_dim(t, pos, 1, 0) for t in rot_table)))
-  e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude], rot)
+  e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
   if init_table is None:
     s0 = model.initial_state(e, rng, pos_Bx1)  # as in the parallel forward
   else:
@@ -150,14 +141,14 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
 
   def masked_step(s, core_kv, active_Bx1):
     fns = [_cached(kv, pos, keep_B=~active_Bx1[:, 0]) for kv in core_kv]
-    return model.core_step(s, inj, pos_Bx1, fns, rot)
+    return model.core_step(s, inj, pos_Bx1, fns)
 
   def readout(s):
-    return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda], rot)
+    return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
 
   fast = cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None
   if fast:
-    check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0], rot)
+    check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
   else:
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
@@ -190,8 +181,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   return out + (counts,) if with_counts else out
 
 
-def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: int,
-                    rot: Rotary):
+def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: int):
   """The decode-time A1 check: carry = (logits_BxV, coda (k, v), fresh_B, CheckCarry counts).
 
   Each check reads two states (loops i-1 and i) in one coda + head pass: counted as two.
@@ -201,7 +191,7 @@ def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: 
 
   def pair(s_old, s_new):
     x = jnp.concatenate([s_old, s_new], axis=1)  # [B, 2, D]: loop i-1 and loop i
-    h, kvs = model.decode_state(x, pos_Bx2, [_pair_cached(kv, pos) for kv in cache.coda], rot)
+    h, kvs = model.decode_state(x, pos_Bx2, [_pair_cached(kv, pos) for kv in cache.coda])
     logits = model.logits(h)
     kv_new = fresh_kv(model.coda, kvs)  # the loop-i query's (last) slot
     return losses.kl_from_logits(logits[:, 1], logits[:, 0]), logits[:, 1], kv_new
@@ -250,12 +240,12 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
   """
   l = tokens_BxL.shape[1]
   cache, last, pdepth = prefill(model, tokens_BxL[:, :prompt_len], cfg, rng, l, router)
-  init, rot = initial_states(model, rng, l), rope_table(model, l)
+  init = initial_states(model, rng, l)
 
   def body(cache, t):
     tok = lax.dynamic_index_in_dim(tokens_BxL, t, 1, keepdims=False)
     logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True,
-                                      init_table=init, rot_table=rot)
+                                      init_table=init)
     return cache, (logits, d, n)
 
   _, (logits, depth, n) = lax.scan(body, cache, jnp.arange(prompt_len, l))
@@ -320,13 +310,13 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   b, p = prompt_BxP.shape
   total = p + n_new
   cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
-  init, rot = initial_states(model, rng, total), rope_table(model, total)
+  init = initial_states(model, rng, total)
 
   def body(carry, t):
     cache, logits = carry
     tok = pick(logits, jnp.full((b,), t), rng, temperature)
     logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True,
-                                      init_table=init, rot_table=rot)
+                                      init_table=init)
     return (cache, logits), (tok, d, n)
 
   _, (toks, depth, n) = lax.scan(body, (cache, logits), jnp.arange(p, total))
