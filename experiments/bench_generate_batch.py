@@ -217,22 +217,21 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
   a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max,
                              engine=_PREFILL_ENGINE.value,
                              compact_steps=_PREFILL_STEPS.value)
-  fns = {'a0': jax.jit(lambda p: decoding.generate(mdl, p, n, a0_cfg, rng)),
+  counted = lambda cfg: jax.jit(lambda p: decoding.generate(mdl, p, n, cfg, rng, with_counts=True))
+  fns = {'a0': counted(a0_cfg),
          'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
          'a1_waiting': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
                                                           wait_rows=_WAIT.value or b)),
          'a1_allrows': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
                                                           compact=False)),
-         'a1_lockstep': jax.jit(lambda p: decoding.generate(mdl, p, n, a1_cfg, rng))}
-  counted = {k: jax.jit(lambda p, c=c: decoding.generate(mdl, p, n, c, rng, with_counts=True))
-             for k, c in (('a0', a0_cfg), ('a1_lockstep', a1_cfg))}
+         'a1_lockstep': counted(a1_cfg)}  # lockstep returns its counts (a few ints per step)
   pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
   calls = {k: functools.partial(f, prompts) for k, f in fns.items()}
   calls.update({f'prefill:{k}': functools.partial(f, prompts) for k, f in pre.items()})
   timed = timing.interleaved(calls, _F.repeats)
   times, rows = timed.times, {}
   for key, fn in fns.items():
-    out = counted[key](prompts) if key in counted else fn(prompts)
+    out = fn(prompts)
     served = isinstance(out, serving.Generation)
     depth, pdepth = (out.depth, out.prompt_depth) if served else (out[1], None)
     pk = 'a1_depthwise' if served else key
