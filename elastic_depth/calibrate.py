@@ -109,7 +109,7 @@ def _score(model, inputs_BxL, targets_BxL, rng, eps, exit_mask_BxL, *, policy: E
   cfg = ExitConfig(policy=policy, eps=eps, depth=r_max, max_loops=r_max, check_every=1)
   res = inference.score(model, inputs_BxL, cfg, rng, exit_mask_BxL=exit_mask_BxL)
   return (losses.nll(res.logits, targets_BxL),
-          jnp.argmax(res.logits, -1).astype(jnp.int32), res.depth)
+          losses.argmax_rows(res.logits), res.depth)
 
 
 def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],

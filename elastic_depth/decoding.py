@@ -256,30 +256,6 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
   return out + (n,) if with_counts else out
 
 
-ARGMAX_CHUNK = 128  # vocab entries per chunk of `argmax_rows`
-
-
-def argmax_rows(x_BxV: jax.Array) -> jax.Array:
-  """jnp.argmax over the last axis (the first maximum, or the first NaN), int32 [B].
-
-  XLA:CPU runs argmax's two-operand reduction as scalar code: 3.4 ms for [32, 49152],
-  2.3x the head matmul that produced it (2026-12-05, Zen 5). Here one max per chunk of
-  ARGMAX_CHUNK entries (a plain reduction, vectorised), the argmax over the chunk maxima,
-  and the argmax within the chosen chunk. The vectorised max may drop NaN, so a row sum
-  (which keeps it) sends a batch with NaN to jnp.argmax itself.
-  """
-  b, v = x_BxV.shape
-  if v <= 2 * ARGMAX_CHUNK:
-    return jnp.argmax(x_BxV, -1).astype(jnp.int32)
-  x = jnp.pad(x_BxV, ((0, 0), (0, -v % ARGMAX_CHUNK)), constant_values=-jnp.inf)
-  x_BxCxK = x.reshape(b, -1, ARGMAX_CHUNK)
-  chunk_B = jnp.argmax(jnp.max(x_BxCxK, -1), -1)
-  within_BxK = jnp.take_along_axis(x_BxCxK, chunk_B[:, None, None], 1)[:, 0]
-  fast_B = chunk_B * ARGMAX_CHUNK + jnp.argmax(within_BxK, -1)
-  nan = jnp.any(jnp.isnan(jnp.sum(x_BxV, -1)))
-  return lax.cond(nan, lambda: jnp.argmax(x_BxV, -1), lambda: fast_B).astype(jnp.int32)
-
-
 def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
   """Each row's next token: greedy, or sampled with a key of (rng, position) only.
 
@@ -294,10 +270,10 @@ def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
     int32 [B] tokens.
   """
   if temperature <= 0:
-    return argmax_rows(logits_BxV)
+    return losses.argmax_rows(logits_BxV)
   keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
   gumbel_BxV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BxV.shape[1:]))(keys)
-  return argmax_rows(logits_BxV / temperature + gumbel_BxV)  # the Gumbel-max draw
+  return losses.argmax_rows(logits_BxV / temperature + gumbel_BxV)  # the Gumbel-max draw
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from elastic_depth import losses
 from elastic_depth.config import DepthConfig, ExitPolicy
 from elastic_depth.kernels import kl_halting
 
@@ -133,8 +134,10 @@ def _logit_stats(hc: _HeadCheck, a, prev, shape):
   """KL statistics of p_i (logits a) against the carried p_{i-1}: no head product."""
   st = _no_stats(shape)
   if hc.trace or hc.policy != ExitPolicy.REVERSE_KL:
-    kl, am, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(prev))
-    st.update(kl=kl.reshape(shape), argmax=am.reshape(shape), lse=lse.reshape(shape))
+    kl, _, lse = kl_halting.reference_kl_from_logits(_flat(a), _flat(prev))
+    st.update(kl=kl.reshape(shape), lse=lse.reshape(shape))
+    if hc.trace:  # not the reference's jnp.argmax: scalar code on XLA:CPU
+      st['argmax'] = losses.argmax_rows(a)
   if hc.trace or hc.policy == ExitPolicy.REVERSE_KL:
     st['rkl'] = kl_halting.reference_kl_from_logits(_flat(prev), _flat(a))[0].reshape(shape)
   if hc.trace or hc.policy == ExitPolicy.CONFIDENCE:  # 1 - max_v p_i(v), fp32

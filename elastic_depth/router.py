@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_depth import model as model_lib
+from elastic_depth import losses, model as model_lib
 from elastic_depth.policies import Router, router_logit
 
 
@@ -34,7 +34,7 @@ def _recorded_loop(r_max: int) -> model_lib.LoopFn:
 
     def body(s, _):
       s = step(s)
-      am = jnp.argmax(mdl.logits(mdl.decode_state(s, pos)[0]), -1)
+      am = losses.argmax_rows(mdl.logits(mdl.decode_state(s, pos)[0]))
       return s, (s.astype(jnp.float32), am)
     return jax.lax.scan(body, s0, None, length=r_max)
   return loop

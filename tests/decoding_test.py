@@ -184,27 +184,6 @@ def test_generation_counts_every_rows_deepest_loops():
   assert np.all(np.asarray(c3.coda_passes) == 1) and np.all(np.asarray(c3.head_passes) == 1)
 
 
-def test_argmax_rows_equals_numpy_argmax():
-  """The chunked argmax: first maximum, ties across and inside chunks, padding, NaN."""
-  rs = np.random.default_rng(0)
-  for v in (7, 256, 300, 1024, 2049):
-    x = rs.standard_normal((9, v)).astype(np.float32)
-    x[1, :] = 1.0                                     # all tied: index 0
-    x[2, [5, v - 1]] = 9.0                            # tie across chunks: the first
-    x[3, [v // 2, v // 2 + 1]] = 9.0                  # tie inside a chunk
-    x[4, v - 1] = 9.0                                 # the max in the padded last chunk
-    x[5, [3, v - 2]] = np.nan                         # NaN wins, the first one
-    x[8, [1, 4]] = [np.inf, np.nan]                   # NaN beats +inf
-    x[6, :] = -np.inf
-    x[7, 2] = np.inf
-    got = np.asarray(jax.jit(decoding.argmax_rows)(jnp.asarray(x)))
-    want = np.argmax(x.astype(np.float64), -1)
-    np.testing.assert_array_equal(got, want)
-    assert want[5] == 3 and want[8] == 4
-    np.testing.assert_array_equal(  # without NaN (the chunked path)
-        np.asarray(jax.jit(decoding.argmax_rows)(jnp.asarray(x[:5]))), want[:5])
-
-
 def test_sampling_draws_from_the_softmax():
   """pick at temperature t: each row's token is a draw from softmax(logits / t)."""
   v, n, t = 300, 20000, 0.7
