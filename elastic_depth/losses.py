@@ -1,4 +1,4 @@
-"""Losses and divergences from logits, all in fp32."""
+"""Losses, divergences and argmaxes from logits, all in fp32."""
 
 import functools
 
