@@ -291,10 +291,9 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   def body(carry, t):
     cache, logits = carry
     tok = pick(logits, jnp.full((b,), t), rng, temperature)
-    logits, cache, d, n = decode_step(model, cache, tok, t, cfg, rng, router, with_counts=True,
-                                      init_table=init)
-    return (cache, logits), (tok, d, n)
+    logits, cache, d, *n = decode_step(model, cache, tok, t, cfg, rng, router,
+                                       with_counts=with_counts, init_table=init)
+    return (cache, logits), (tok, d, *n)  # n: [Counts] only when asked for
 
-  _, (toks, depth, n) = lax.scan(body, (cache, logits), jnp.arange(p, total))
-  out = jnp.concatenate([prompt_BxP, toks.T], axis=1), depth.T
-  return out + (n,) if with_counts else out
+  _, (toks, depth, *n) = lax.scan(body, (cache, logits), jnp.arange(p, total))
+  return (jnp.concatenate([prompt_BxP, toks.T], axis=1), depth.T, *n)
