@@ -81,6 +81,18 @@ def test_mean4_twin_differs_from_its_base_only_in_the_mean_depth(path):
   assert twin == dataclasses.replace(base, depth=dataclasses.replace(base.depth, mean=4.0))
 
 
+def test_tiny_mean8_differs_from_the_main_job_only_in_its_depths():
+  """launch/tiny_mean8.flags: the main job at training mean 8 (its loops reach r_max 16)."""
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny.flags")}'])
+  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8.flags")}'])
+  assert (cfg.depth.mean, cfg.depth.r_max, max(cfg.depth.buckets)) == (8.0, 16, 16)
+  assert max(cfg.train.eval_depths) == 16
+  assert dataclasses.replace(cfg.depth, mean=base.depth.mean, r_max=base.depth.r_max,
+                             buckets=base.depth.buckets) == base.depth
+  assert dataclasses.replace(cfg.train, eval_depths=base.train.eval_depths) == base.train
+  assert (cfg.model, cfg.data) == (base.model, base.data)
+
+
 def test_nested_flagfile_is_expanded_in_place(tmp_path):
   inner = tmp_path / 'inner.flags'
   inner.write_text('--config.model.d_model=48\n--config.depth.mean=3\n')
