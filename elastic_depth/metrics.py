@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import sys
+import time
 from typing import Optional
 
 import tqdm
@@ -70,8 +72,55 @@ class MetricWriter:
       self._tb.close()
 
 
-def progress(total: int, initial: int = 0, desc: str = 'train',
-             disable: Optional[bool] = None) -> tqdm.tqdm:
-  """A tqdm bar with ETA (steps)."""
-  return tqdm.tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True,
-                   disable=disable, mininterval=1.0, smoothing=0.1)
+class LineProgress:
+  """tqdm's counts, rate and ETA as one plain line every `interval` s, for logs that are not terminals."""
+
+  def __init__(self, total: Optional[int], initial: int = 0, desc: str = 'train',
+               unit: str = 'it', interval: float = 30.0, file=None):
+    self.total, self.n, self.initial, self.desc, self.unit = total, initial, initial, desc, unit
+    self.interval, self.file = interval, file or sys.stderr
+    self._start = self._last = time.monotonic()
+    self._postfix, self._shown = '', initial
+
+  def set_postfix(self, refresh: bool = False, **kw) -> None:
+    del refresh
+    self._postfix = ', '.join(f'{k}={v}' for k, v in kw.items())
+
+  def set_postfix_str(self, s: str = '', refresh: bool = False) -> None:
+    del refresh
+    self._postfix = s
+
+  def update(self, n: int = 1) -> None:
+    self.n += n
+    if time.monotonic() - self._last >= self.interval:
+      self._emit()
+
+  def close(self) -> None:
+    if self.n != self._shown:
+      self._emit()
+
+  def __enter__(self) -> 'LineProgress':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _emit(self) -> None:
+    now = time.monotonic()
+    counts = '{n_fmt}/{total_fmt} ({percentage:.0f}%)' if self.total else '{n_fmt}'
+    line = tqdm.tqdm.format_meter(
+        self.n, self.total, now - self._start, prefix=self.desc, unit=self.unit,
+        initial=self.initial, postfix=self._postfix or None,
+        bar_format='{desc}: ' + counts + ' {unit} [{elapsed}<{remaining}, {rate_fmt}{postfix}]')
+    print(line, file=self.file, flush=True)
+    self._last, self._shown = now, self.n
+
+
+def progress(total: Optional[int], initial: int = 0, desc: str = 'train', unit: str = 'it',
+             disable: Optional[bool] = None, file=None, interval: float = 30.0):
+  """A tqdm bar with ETA on a terminal, else a LineProgress; disable=True: silent."""
+  file = file or sys.stderr
+  if disable is None and not (hasattr(file, 'isatty') and file.isatty()):
+    return LineProgress(total, initial, desc, unit, interval, file)
+  return tqdm.tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
+                   disable=bool(disable), mininterval=1.0, smoothing=0.1, file=file)

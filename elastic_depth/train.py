@@ -382,7 +382,7 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
     r = _prepare(cfg, workdir, resume)
     lifecycle.end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
-    bar = metrics.progress(cfg.train.steps, r.start, disable=quiet or None)
+    bar = metrics.progress(cfg.train.steps, r.start, unit='step', disable=quiet or None)
     print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
           f'{r.ds.describe()}, '
           f'{grad_accum_steps(cfg.train) * cfg.train.batch_size * cfg.train.seq_len} '

@@ -292,10 +292,9 @@ def open_output(cfg, out, vocab_size: int, shard_tokens: int, tokenizer_docs: in
 
 
 def _progress(total: Optional[int], quiet: bool):
-  """A tqdm bar of documents (tokens/s and ETA as it goes)."""
-  import tqdm  # pylint: disable=g-import-not-at-top
-  return tqdm.tqdm(total=total, unit='doc', disable=quiet, mininterval=1.0, smoothing=0.1,
-                   dynamic_ncols=True)
+  """Documents done, tokens/s and ETA (a bar on a terminal, lines in a log)."""
+  from elastic_depth import metrics  # pylint: disable=g-import-not-at-top
+  return metrics.progress(total, desc='prepare', unit='doc', disable=True if quiet else None)
 
 
 def prepare(cfg, out, *, vocab_size: int, shard_tokens: int = 2**27, batch_docs: int = 512,
