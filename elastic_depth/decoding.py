@@ -277,9 +277,12 @@ def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
-             temperature: float = 0.0, router=None, with_counts: bool = False):
-  """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new[, counts]).
+             temperature: float = 0.0, router=None, with_counts: bool = False,
+             forced_BxN=None):
+  """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new[, nll][, counts]).
 
+  forced_BxN: forced decoding: the n_new tokens are these, not picked, and nll_Bxn_new
+  (each one's NLL under the logits it follows) comes after the depths.
   with_counts: also the decode steps' Counts stacked over steps, as in `score_cached`
   (batch passes [n_new]; every row runs each step's deepest row's loops).
   """
@@ -287,13 +290,19 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   total = p + n_new
   cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
   init = initial_states(model, rng, total)
+  forced = forced_BxN is not None
 
   def body(carry, t):
     cache, logits = carry
-    tok = pick(logits, jnp.full((b,), t), rng, temperature)
+    if forced:
+      tok = jnp.asarray(forced_BxN, jnp.int32)[:, t - p]
+      nll = (losses.nll(logits, tok),)
+    else:
+      tok, nll = pick(logits, jnp.full((b,), t), rng, temperature), ()
     logits, cache, d, *n = decode_step(model, cache, tok, t, cfg, rng, router,
                                        with_counts=with_counts, init_table=init)
-    return (cache, logits), (tok, d, *n)  # n: [Counts] only when asked for
+    return (cache, logits), (tok, d, *nll, *n)  # n: [Counts] only when asked for
 
-  _, (toks, depth, *n) = lax.scan(body, (cache, logits), jnp.arange(p, total))
-  return (jnp.concatenate([prompt_BxP, toks.T], axis=1), depth.T, *n)
+  _, (toks, depth, *rest) = lax.scan(body, (cache, logits), jnp.arange(p, total))
+  nll = (rest.pop(0).T,) if forced else ()
+  return (jnp.concatenate([prompt_BxP, toks.T], axis=1), depth.T, *nll, *rest)

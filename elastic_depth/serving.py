@@ -30,6 +30,10 @@ the start of the step after its exit (`_flush`); with `wait_rows` > 1 an exited 
 until that many rows wait (or none has a token in flight), so the passes run less often
 and fuller, at the price of idle core slots (wait_rows = B: lockstep's schedule, with
 each row's own depths). The Counts below record what executed.
+
+Forced decoding (`generate(..., forced_BxN=...)`, like `decoding.generate`'s): each row's
+next token is read from the given continuation instead of picked, and its NLL under the
+logits it follows is recorded, so one run gives a workload's speed and its quality.
 """
 
 import dataclasses
@@ -68,6 +72,14 @@ class Generation(NamedTuple):
   depth: jax.Array         # [B, n_new] loops per generated token
   prompt_depth: jax.Array  # [B, P] prefill depths (padding included)
   counts: Counts
+  nll: Any = None          # [B, n_new] forced decoding: -log p(forced token) (else zeros)
+
+
+class Pick(NamedTuple):
+  """How an admitted token is chosen (static): sampled at `temperature` (0: greedy), or
+  forced: read from the State's token buffer, with its NLL under the exited logits."""
+  temperature: float = 0.0
+  forced: bool = False
 
 
 class State(NamedTuple):
@@ -87,6 +99,7 @@ class State(NamedTuple):
   wait: jax.Array          # [B] its token exited; its readout and next admission pending
   unread: jax.Array        # [B] of which the final readout of s is pending (no check's)
   rot: Rotary              # [T, 1, 1, K/2] RoPE tables at each position (computed once)
+  nll: jax.Array           # [B, n_new] forced decoding: each token's NLL (else zeros)
 
 
 def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
@@ -139,25 +152,37 @@ def _rot(st: State, pos_C) -> Rotary:
   return Rotary(*(jnp.take(t, pos_C, axis=0) for t in st.rot))
 
 
-def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, temperature: float,
-           caps) -> State:
-  """Rows in mask_B pick their token at pos_B from st.logits and start it at loop 0."""
-  def run(rows, tok, s, inj, kv):  # the pass returns rows; the caches are written below
+def _next_token(st: State, rows, pos_C, rng, pick: Pick):
+  """(token [C], its NLL [C] under the row's exited logits: forced decoding only)."""
+  logits_C = rows.take(st.logits)
+  if not pick.forced:
+    return decoding.pick(logits_C, pos_C, rng, pick.temperature), jnp.zeros(pos_C.shape)
+  tok_C = jnp.take_along_axis(rows.take(st.tokens), pos_C[:, None], axis=1)[:, 0]
+  return tok_C, losses.nll(logits_C, tok_C)
+
+
+def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, pick: Pick, caps) -> State:
+  """Rows in mask_B pick (or read) their token at pos_B and start it at loop 0."""
+  def run(rows, tok, nll, s, inj, kv):  # the pass returns rows; caches are written below
     pos_C = rows.take(pos_B)
-    tok_C = decoding.pick(rows.take(st.logits), pos_C, rng, temperature)
+    tok_C, nll_C = _next_token(st, rows, pos_C, rng, pick)
     pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
     e_C, fresh = _run_cached(
         lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)
-    return (rows.put(tok, tok_C), rows.put(s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
+    return (rows.put(tok, tok_C), rows.put(nll, nll_C),
+            rows.put(s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
             rows.put(inj, model.inject(e_C)), jax.tree.map(rows.put, kv, fresh))
   b = mask_B.shape[0]
   z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   kv0 = [(z, z) if blk.has_attn else None for blk in model.prelude]
-  (tok, s, inj, kv), cap = compaction.on_rows(mask_B, caps, run, lambda *a: a,
-                                              jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0)
-  m = mask_B
-  tokens = st.tokens.at[jnp.arange(b), jnp.where(m, pos_B, st.tokens.shape[1])].set(
-      tok, mode='drop')
+  (tok, nll, s, inj, kv), cap = compaction.on_rows(
+      mask_B, caps, run, lambda *a: a, jnp.zeros((b,), jnp.int32), jnp.zeros((b,)), st.s,
+      st.inj, kv0)
+  m, rows_B = mask_B, jnp.arange(b)
+  tokens = st.tokens.at[rows_B, jnp.where(m, pos_B, st.tokens.shape[1])].set(tok, mode='drop')
+  if pick.forced:
+    st = st._replace(nll=st.nll.at[rows_B, jnp.where(m, st.n, st.nll.shape[1])].set(
+        nll, mode='drop'))
   return st._replace(cache=st.cache._replace(prelude=_put_fresh(st.cache.prelude, pos_B, m, kv)),
                      s=s, inj=inj, pos=jnp.where(m, pos_B, st.pos), loop=jnp.where(m, 0, st.loop),
                      run=jnp.where(m, 0, st.run), tokens=tokens,
@@ -235,7 +260,7 @@ def _write_coda(model: LoopedLM, st: State, kv, rows_B) -> list:
   return keep_kv(model.coda, _put_fresh(st.cache.coda, st.pos, rows_B, kv), st.cache.coda)
 
 
-def _flush(model: LoopedLM, st: State, caps, rng, temperature: float, wait_rows: int,
+def _flush(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
            force: bool = False) -> State:
   """The waiting rows' final readouts and admissions, once wait_rows rows wait (or no row
   has a token in flight, or force): one pass of each for all of them."""
@@ -250,14 +275,14 @@ def _flush(model: LoopedLM, st: State, caps, rng, temperature: float, wait_rows:
   st = st._replace(cache=st.cache._replace(coda=_write_coda(model, st, kv, need)), logits=logits,
                    wait=st.wait & ~go, unread=st.unread & ~go,
                    counts=c._replace(readout_rows=c.readout_rows + n_final))
-  return _admit(model, st, flushed & (st.n < n_new), st.pos + 1, rng, temperature, caps)
+  return _admit(model, st, flushed & (st.n < n_new), st.pos + 1, rng, pick, caps)
 
 
-def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, temperature: float, caps,
+def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, pick: Pick, caps,
           wait_rows: int, st: State) -> State:
   """One engine step: the waiting rows' readouts and admissions (`_flush`), then a core loop
   for every in-flight token and its exit check; exits wait for the next flush."""
-  st = _flush(model, st, caps, rng, temperature, wait_rows)
+  st = _flush(model, st, caps, rng, pick, wait_rows)
   n_new = st.depth.shape[1]
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
@@ -297,7 +322,8 @@ def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
 
 
 def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
-          eps_B=None, prompt_len_B=None, temperature: float = 0.0) -> State:
+          eps_B=None, prompt_len_B=None, temperature: float = 0.0,
+          forced_BxN=None) -> State:
   """Prefills the prompts (parallel semantics, per-row eps) and admits each row's first token.
 
   Args:
@@ -309,6 +335,8 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     eps_B: per-row KL thresholds (default cfg.eps for every row).
     prompt_len_B: per-row prompt lengths (default P).
     temperature: 0 for greedy; else sampling with decoding.generate's per-position keys.
+    forced_BxN: forced decoding: row b's tokens after its prompt are forced_BxN[b] (at
+      p_b..), not picked, and each one's NLL is recorded (`run` with forced=True).
   Returns:
     (State with each row's first token admitted, prompt depths [B, P], eps_B); `run`
     advances the State.
@@ -327,19 +355,25 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
                          fill(cache.coda, res.coda_kv))
   zero = jnp.int32(0)
   init = decoding.initial_states(model, rng, p + n_new)  # drawn once per position
+  tokens = jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP)
+  if forced_BxN is not None:  # row b's continuation from p_b (right-padded prompts)
+    idx = jnp.clip(jnp.arange(p + n_new)[None, :] - plen_B[:, None], 0, n_new - 1)
+    cont = jnp.take_along_axis(jnp.asarray(forced_BxN, jnp.int32), idx, axis=1)
+    tokens = jnp.where(jnp.arange(p + n_new)[None, :] >= plen_B[:, None], cont, tokens)
   st = State(cache, res.state[:, :1], res.inj[:, :1], plen_B, jnp.zeros((b,), jnp.int32),
-             jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1],
-             jnp.zeros((b, p + n_new), jnp.int32).at[:, :p].set(prompt_BxP),
+             jnp.zeros((b,), jnp.int32), res.logits[rows, plen_B - 1], tokens,
              jnp.zeros((b, n_new), jnp.int32), init,
              Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), bool), jnp.zeros((b,), bool),
-             model.rotary(jnp.arange(p + n_new)[:, None]))
-  st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, temperature, (b,))
+             model.rotary(jnp.arange(p + n_new)[:, None]), jnp.zeros((b, n_new)))
+  pick = Pick(temperature, forced_BxN is not None)
+  st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, pick, (b,))
   return st, res.depth, eps_B
 
 
 def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
-        temperature: float = 0.0, compact: bool = True, wait_rows: int = 1) -> State:
+        temperature: float = 0.0, compact: bool = True, wait_rows: int = 1,
+        forced: bool = False) -> State:
   """Engine steps until every row has produced `until` tokens (default: all n_new).
 
   compact=False runs the readouts and admissions over all B rows whenever any row needs
@@ -347,28 +381,31 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
   exited idles until that many rows wait (or none has a token in flight), then their
   readouts and admissions run as one pass each: fewer, fuller passes for idle core slots
   (1: every step's exits at the next step, as soon as possible). Tokens and depths do not
-  depend on it.
+  depend on it. forced: the State came from `start` with forced_BxN (forced decoding).
   """
   n_new, b = st.depth.shape[1], st.depth.shape[0]
+  pick = Pick(temperature, forced)
   until = n_new if until is None else until
   caps = compaction.pow2_capacities(b) if compact else (0, b)
   cond = lambda st: jnp.any(st.n < jnp.minimum(until, n_new))
   st = lax.while_loop(
-      cond, lambda st: _step(model, cfg, eps_B, rng, temperature, caps, wait_rows, st), st)
-  return _flush(model, st, caps, rng, temperature, wait_rows, force=True)
+      cond, lambda st: _step(model, cfg, eps_B, rng, pick, caps, wait_rows, st), st)
+  return _flush(model, st, caps, rng, pick, wait_rows, force=True)
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              eps_B=None, prompt_len_B=None, temperature: float = 0.0,
-             compact: bool = True, wait_rows: int = 1) -> Generation:
+             compact: bool = True, wait_rows: int = 1, forced_BxN=None) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
-  Args: as `start`; compact and wait_rows as `run`.
+  Args: as `start` (forced_BxN: forced decoding, the NLL of each forced token); compact
+    and wait_rows as `run`.
   Returns:
-    Generation (tokens, per-token depths, prompt depths, executed Counts).
+    Generation (tokens, per-token depths, prompt depths, executed Counts, NLL [B, n_new]).
   """
   st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
-                            prompt_len_B=prompt_len_B, temperature=temperature)
+                            prompt_len_B=prompt_len_B, temperature=temperature,
+                            forced_BxN=forced_BxN)
   st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact,
-           wait_rows=wait_rows)
-  return Generation(st.tokens, st.depth, pdepth, st.counts)
+           wait_rows=wait_rows, forced=forced_BxN is not None)
+  return Generation(st.tokens, st.depth, pdepth, st.counts, st.nll)

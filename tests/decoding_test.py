@@ -197,3 +197,36 @@ def test_sampling_draws_from_the_softmax():
   se = np.sqrt(p * (1 - p) / n)
   assert np.all(np.abs(freq - p) < 5 * se + 1e-9)
   assert abs(freq[[0, 150, 299]].sum() - p[[0, 150, 299]].sum()) < 5 * np.sqrt(0.25 / n)
+
+
+def test_forced_decoding_equals_cached_scoring_with_float64_nll():
+  """Forced decoding: the given tokens, cached scoring's depths, and each token's NLL
+  under the logits before it (float64 log-softmax of score_cached's logits)."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(11))
+  rng = jax.random.key(0)
+  toks = jax.random.randint(jax.random.key(3), (2, 10), 0, mdl.cfg.vocab_size)
+  cfg = median_kl_cfg(mdl, toks[:, :4], rng, R)
+  out, depth, nll = jax.jit(lambda t: decoding.generate(
+      mdl, t[:, :4], 6, cfg, rng, forced_BxN=t[:, 4:]))(toks)
+  logits, depth_tf, _ = jax.jit(lambda t: decoding.score_cached(mdl, t, 4, cfg, rng))(toks)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(toks))
+  np.testing.assert_array_equal(np.asarray(depth), np.asarray(depth_tf))
+  assert len(np.unique(np.asarray(depth))) > 1  # ragged exits
+  lg = np.asarray(logits, np.float64)
+  m = lg.max(-1, keepdims=True)
+  lse = (m + np.log(np.exp(lg - m).sum(-1, keepdims=True)))[..., 0]
+  tgt = np.take_along_axis(lg, np.asarray(toks[:, 4:])[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(nll), lse - tgt, rtol=1e-5, atol=1e-5)
+
+
+def test_forcing_the_greedy_tokens_reproduces_greedy_generation():
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
+  cfg = median_kl_cfg(mdl, prompts, rng, R)
+  toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))(prompts)
+  out, d2, nll = jax.jit(lambda p, f: decoding.generate(mdl, p, 6, cfg, rng, forced_BxN=f))(
+      prompts, toks[:, 4:])
+  np.testing.assert_array_equal(np.asarray(d2), np.asarray(depth))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(toks))
+  assert np.all(np.isfinite(np.asarray(nll))) and np.all(np.asarray(nll) >= 0)

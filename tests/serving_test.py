@@ -277,3 +277,28 @@ def test_sampled_rows_equal_their_own_generation(setup):
     greedy, _ = hot(jnp.asarray([p[:n]], jnp.int32), 0.0)
     sampled_differs |= bool(np.any(np.asarray(greedy[0]) != np.asarray(alone[0])))
   assert sampled_differs  # the test samples
+
+
+def test_forced_rows_equal_their_own_forced_decoding(setup):
+  """Forced decoding through the engine (right-padded prompts, two eps tiers, wait_rows 1
+  and B): each row's tokens are the forced ones, and its depths and NLLs equal lockstep
+  forced decoding of that row alone; a forced run leaves the executed schedule as replayed."""
+  mdl, rng, cfg, eps_B, _ = setup
+  prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
+  forced = jax.random.randint(jax.random.key(7), (len(PROMPTS), N), 0, mdl.cfg.vocab_size)
+  alone = jax.jit(lambda p, f, eps: decoding.generate(
+      mdl, p, N, dataclasses.replace(cfg, eps=eps), rng, forced_BxN=f))
+  for wait_rows in (1, len(PROMPTS)):
+    out = jax.jit(lambda p, e, n, f: serving.generate(
+        mdl, p, N, cfg, rng, eps_B=e, prompt_len_B=n, wait_rows=wait_rows, forced_BxN=f))(
+            prompts, eps_B, plen, forced)
+    depth = np.asarray(out.depth)
+    assert len(np.unique(depth)) > 1
+    if wait_rows == 1:
+      _assert_counts_replayed(depth, cfg, out.counts, paired=True)
+    for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
+      _, d, nll = alone(jnp.asarray([p[:n]], jnp.int32), forced[b:b + 1], eps_B[b])
+      np.testing.assert_array_equal(np.asarray(out.tokens[b, n:n + N]), np.asarray(forced[b]))
+      np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
+      np.testing.assert_allclose(np.asarray(out.nll[b]), np.asarray(nll[0]), rtol=1e-5,
+                                 atol=1e-5)
