@@ -26,6 +26,10 @@ With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forc
 cached semantics (analysis.cached_outputs, the semantics generation runs in) is within
 --quality_tol nats of A0's on the validation batches; both losses are reported. Without
 a workdir a random-init shape gives throughput only, labelled "no quality".
+--decode_tokens=forced (with --workdir): every engine decodes the validation text that
+follows each prompt instead of its own picks (forced decoding), so the exits are the
+data's, and each engine's loss on those tokens (masked as in training) comes from the very
+calls that are timed.
 """
 
 import functools
@@ -64,6 +68,10 @@ _WAIT = flags.DEFINE_integer('wait_rows', 0, 'The waiting depth-wise variant: ex
 _PREFILL_STEPS = flags.DEFINE_integer('prefill_compact_steps', 4, 'exit.compact_steps of A1\'s '
                                       'compacted prefill (buffers: multiples of P / this).',
                                       lower_bound=1)
+_DECODE = flags.DEFINE_enum('decode_tokens', 'generated', ['generated', 'forced'],
+                            'generated: each engine picks its tokens (greedy); forced: the '
+                            'validation text after each prompt is fed (needs --workdir) and '
+                            'each engine\'s loss on it is reported from the timed calls.')
 _F = flags.FLAGS
 
 
@@ -101,22 +109,41 @@ def _matched(mdl, batches, rng, a0_depth: int, r_max: int) -> dict:
   return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=False, tried=tried)
 
 
+def _val_pool(data, p: int, n: int) -> dict:
+  """Validation windows: prompts [N, P], and for forced decoding the next n tokens and
+  their loss weights (the mask of the targets they are)."""
+  val = list(data.val_batches())
+  pool = dict(prompt=np.concatenate([np.asarray(b['inputs'])[:, :p] for b in val]))
+  if _DECODE.value == 'forced':
+    width = np.asarray(val[0]['inputs']).shape[1]
+    if p + n > width:
+      raise SystemExit(f'error: --decode_tokens=forced needs --prompt_len + --new_tokens <= '
+                       f'the validation windows\' {width} tokens, got {p} + {n}')
+    pool['forced'] = np.concatenate([np.asarray(b['inputs'])[:, p:p + n] for b in val])
+    pool['weight'] = np.concatenate([np.asarray(b['mask'], np.float64)[:, p - 1:p - 1 + n]
+                                     for b in val])
+  return pool
+
+
 def _setup(calibrate):
-  """(model, prompt source [N, P], A0 depth, A1 max loops, quality dict, label)."""
+  """(model, prompt source (`_val_pool`), A0 depth, A1 max loops, quality dict, label)."""
   p = _F.prompt_len
   if _F.workdir:
     loaded = common.load(common.options_from_flags())
     mdl = loaded.model
     a0_depth, r_max = int(round(loaded.cfg.depth.mean)), loaded.r_max
+    pool = _val_pool(loaded.data, p, _F.new_tokens)
     rng = jax.random.key(_F.seed)
     q = _matched(mdl, loaded.batches, rng, a0_depth, r_max)
-    pool = np.concatenate([np.asarray(b['inputs'])[:, :p] for b in loaded.data.val_batches()])
     return mdl, pool, a0_depth, r_max, q, f'{_F.workdir} step {loaded.step}'
+  if _DECODE.value == 'forced':
+    raise SystemExit('error: --decode_tokens=forced needs --workdir (it feeds validation text)')
   mcfg = config.ModelConfig(max_len=p + _F.new_tokens + 8, **bench_util.MODEL_SHAPES[_SHAPE.value])
   mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(0))
   pool = np.asarray(jax.random.randint(jax.random.key(1), (64, p), 0, mcfg.vocab_size))
   eps, _ = calibrate(mdl, jnp.asarray(pool[:1]), _F.target_loops)
-  return mdl, pool, 8, 8, dict(eps=eps, matched=None), f'random init {_SHAPE.value}: no quality'
+  return (mdl, dict(prompt=pool), 8, 8, dict(eps=eps, matched=None),
+          f'random init {_SHAPE.value}: no quality')
 
 
 def _row(n_tok: int, sec: float, depth, a0=None) -> dict:
@@ -142,11 +169,11 @@ def _prefills(mdl, n: int, a0_cfg, a1_cfg, rng) -> dict:
   more than building it inside generate (B = 32, 80 slots, 2026-12-05), which the decode
   phase (call - prefill) would then have lacked."""
   total, p = _F.prompt_len + n, _F.prompt_len
-  cached = lambda cfg: jax.jit(lambda x: (lambda o: _digest(o[:2], o[2], p))(
+  cached = lambda cfg: jax.jit(lambda x, f: (lambda o: _digest(o[:2], o[2], p))(
       decoding.prefill(mdl, x, cfg, rng, total)))
   return {'a0': cached(a0_cfg), 'a1_lockstep': cached(a1_cfg),
-          'a1_depthwise': jax.jit(lambda x: (lambda o: _digest(o[0], o[1], p))(
-              serving.start(mdl, x, n, a1_cfg, rng)))}
+          'a1_depthwise': jax.jit(lambda x, f: (lambda o: _digest(o[0], o[1], p))(
+              serving.start(mdl, x, n, a1_cfg, rng, forced_BxN=f)))}
 
 
 def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=None) -> dict:
@@ -174,6 +201,14 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
   return row
 
 
+def _outputs(out) -> tuple:
+  """(depths [B, n], NLL [B, n] or None, lockstep's counts or None) of an engine's output."""
+  if isinstance(out, serving.Generation):
+    return out.depth, out.nll, None
+  forced = len(out) == 4  # decoding.generate: tokens, depth[, nll], counts
+  return out[1], out[2] if forced else None, out[-1]
+
+
 def _per_token_counts(out, b: int, n: int, checked: bool) -> dict:
   """Passes the decode phase executed per generated token: serving's row counts (buckets),
   or lockstep's batch passes (every row runs each step's deepest row's loops)."""
@@ -182,7 +217,7 @@ def _per_token_counts(out, b: int, n: int, checked: bool) -> dict:
     core, reads = int(c.core_rows) / rows, int(c.readout_rows) / rows
     return dict(prelude=int(c.prelude_rows) / rows, core=core, coda=reads, head=reads,
                 checks=core if checked else 0.0)
-  c = out[2]
+  c = _outputs(out)[2]
   core = float(np.sum(c.core_passes)) / n
   return dict(prelude=1.0, core=core, coda=float(np.sum(c.coda_passes)) / n,
               head=float(np.sum(c.head_passes)) / n, checks=core if checked else 0.0)
@@ -209,34 +244,37 @@ def _flop_fields(row: dict, counts: dict, mcfg, cache_len: int, a0=None) -> dict
   return row
 
 
-def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
-  """A0, A1 depth-wise (compacted, waiting, all-rows) and A1 lockstep at batch b (medians)."""
+def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
+  """A0, A1 depth-wise (compacted, waiting, all-rows) and A1 lockstep at batch b (medians);
+  forced decoding where the pool has the tokens after each prompt (`_val_pool`)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
-  prompts = jnp.asarray(np.resize(pool, (b, pool.shape[1])))
+  rows_of = lambda x: jnp.asarray(np.resize(x, (b, x.shape[1])))
+  prompts = rows_of(pool['prompt'])
+  forced = rows_of(pool['forced']) if 'forced' in pool else None
   a0_cfg = config.ExitConfig(policy='uniform', depth=a0_depth)
   a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max,
                              engine=_PREFILL_ENGINE.value,
                              compact_steps=_PREFILL_STEPS.value)
-  counted = lambda cfg: jax.jit(lambda p: decoding.generate(mdl, p, n, cfg, rng, with_counts=True))
-  fns = {'a0': counted(a0_cfg),
-         'a1_depthwise': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng)),
-         'a1_waiting': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
-                                                          wait_rows=_WAIT.value or b)),
-         'a1_allrows': jax.jit(lambda p: serving.generate(mdl, p, n, a1_cfg, rng,
-                                                          compact=False)),
+  counted = lambda cfg: jax.jit(lambda p, f: decoding.generate(mdl, p, n, cfg, rng,
+                                                               with_counts=True, forced_BxN=f))
+  served = lambda **kw: jax.jit(lambda p, f: serving.generate(mdl, p, n, a1_cfg, rng,
+                                                              forced_BxN=f, **kw))
+  fns = {'a0': counted(a0_cfg), 'a1_depthwise': served(),
+         'a1_waiting': served(wait_rows=_WAIT.value or b), 'a1_allrows': served(compact=False),
          'a1_lockstep': counted(a1_cfg)}  # lockstep returns its counts (a few ints per step)
   pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
-  calls = {k: functools.partial(f, prompts) for k, f in fns.items()}
-  calls.update({f'prefill:{k}': functools.partial(f, prompts) for k, f in pre.items()})
+  calls = {k: functools.partial(f, prompts, forced) for k, f in fns.items()}
+  calls.update({f'prefill:{k}': functools.partial(f, prompts, forced) for k, f in pre.items()})
   timed = timing.interleaved(calls, _F.repeats)
   times, rows = timed.times, {}
   for key, fn in fns.items():
-    out = fn(prompts)
-    served = isinstance(out, serving.Generation)
-    depth, pdepth = (out.depth, out.prompt_depth) if served else (out[1], None)
-    pk = 'a1_depthwise' if served else key
+    out = fn(prompts, forced)
+    is_served = isinstance(out, serving.Generation)
+    depth, nll, _ = _outputs(out)
+    pdepth = out.prompt_depth if is_served else None
+    pk = 'a1_depthwise' if is_served else key
     if pdepth is None:
-      pdepth = pre[pk](prompts)[0]
+      pdepth = pre[pk](prompts, forced)[0]
     a0 = rows.get('a0')  # None while timing A0 itself
     rows[key] = _row(b * n, statistics.median(times[key]), depth, a0)
     rows[key]['min_s'] = min(times[key])
@@ -244,7 +282,11 @@ def bench_batch(mdl, pool, b: int, a0_depth: int, r_max: int, eps: float) -> dic
     _phase_fields(rows[key], times[key], times[f'prefill:{pk}'], b * n, pdepth, a0)
     _flop_fields(rows[key], _per_token_counts(out, b, n, key != 'a0'), mdl.cfg,
                  _F.prompt_len + n, a0)
-    if served:  # serving's books
+    if nll is not None:  # forced decoding: the loss of these very calls
+      w = np.resize(pool['weight'], (b, n))
+      rows[key]['forced_loss'] = float(np.sum(np.asarray(nll, np.float64) * w) / max(w.sum(), 1))
+      rows[key]['forced_tokens'] = float(w.sum())
+    if is_served:  # serving's books
       c = out.counts
       rows[key].update(engine_steps=int(c.steps),
                        row_utilisation=int(c.active_rows) / int(c.core_rows),
@@ -276,7 +318,24 @@ def _markdown(doc: dict) -> str:
                  f'({al["tokens_per_s"]:.0f}) | {ls["tokens_per_s"]:.0f} | '
                  f'{a0["mean_loops"]:.2f} / {a1["mean_loops"]:.2f} | {a1["loop_saving"]:.1%} | '
                  f'{a1["time_saving"]:.1%} ({al["time_saving"]:.1%}) | {ratio(a1)} ({ratio(al)}) |')
-  return '\n'.join(lines + _phase_markdown(doc) + _flop_markdown(doc)) + '\n'
+  return '\n'.join(lines + _forced_markdown(doc) + _phase_markdown(doc)
+                   + _flop_markdown(doc)) + '\n'
+
+
+def _forced_markdown(doc: dict) -> list:
+  """Forced decoding: each engine's loss on the fed validation tokens, from the timed calls."""
+  if doc.get('decode_tokens') != 'forced':
+    return []
+  keys = ('a0', 'a1_depthwise', 'a1_waiting', 'a1_lockstep')
+  lines = ['', 'Forced decoding: every engine decodes the validation text after its prompt; '
+           'loss on those tokens (masked as in training), from the timed calls.', '',
+           '| B | tokens scored | loss A0 / depth-wise / waiting / lockstep | A1 - A0 |',
+           '|' + '---|' * 4]
+  for b, r in doc['batches'].items():
+    losses_ = [r[k]['forced_loss'] for k in keys]
+    lines.append(f'| {b} | {r["a0"]["forced_tokens"]:.0f} | '
+                 + ' / '.join(f'{x:.4f}' for x in losses_) + f' | {losses_[1] - losses_[0]:+.4f} |')
+  return lines
 
 
 def _phase_markdown(doc: dict) -> list:
@@ -338,6 +397,7 @@ def main(calibrate) -> None:
              new_tokens=_F.new_tokens, prompt_len=_F.prompt_len, a0_depth=a0_depth, r_max=r_max,
              prefill_engine=_PREFILL_ENGINE.value.value,
              prefill_compact_steps=_PREFILL_STEPS.value, wait_rows=_WAIT.value,
+             decode_tokens=_DECODE.value,
              batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps']) for b in sizes})
   doc['loadavg_end'] = os.getloadavg()
   out = _F.out if _F.out != 'runs/bench_generate.json' else 'runs/bench_generate_batch.json'

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import built_once
@@ -198,6 +199,37 @@ def test_bench_exit_on_a_checkpoint_matches_quality_then_times(workdir, tmp_path
   assert r['eps'] == q['eps'] and r['fake_exit_fraction'] == 0.0
   assert r['tokens'] >= 32 and 'matched within' in (tmp_path / 'exit.md').read_text()
 
+
+
+def test_bench_generate_forced_decoding_reports_the_timed_calls_loss(workdir, tmp_path):
+  """bench_generate --decode_tokens=forced: every engine decodes the validation text after
+  its prompt; A0's loss equals cached scoring of those windows at uniform depth (float64
+  NLL here), and the A1 engines, which run the same tokens to the same depths, agree."""
+  out = tmp_path / 'forced.json'
+  cmd = [sys.executable, '-m', 'experiments.bench_generate', '--batch_sizes=2',
+         f'--workdir={workdir}', '--batches=1', '--new_tokens=4', '--prompt_len=4',
+         '--repeats=1', '--exit_policy=state_delta', '--decode_tokens=forced', f'--out={out}']
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  doc = json.loads(out.read_text())
+  rows = doc['batches']['2']
+  assert doc['decode_tokens'] == 'forced' and 'Forced decoding' in (tmp_path / 'forced.md').read_text()
+  a1 = [rows[k]['forced_loss'] for k in ('a1_depthwise', 'a1_waiting', 'a1_allrows', 'a1_lockstep')]
+  assert max(a1) - min(a1) < 1e-5
+  loaded = common.load(common.Options(workdir=workdir, batches=1, progress=False))
+  val = list(loaded.data.val_batches())
+  toks = np.concatenate([np.asarray(b['inputs']) for b in val])[:2, :8]
+  w = np.concatenate([np.asarray(b['mask'], np.float64) for b in val])[:2, 3:7]
+  a0 = config_lib.ExitConfig(policy='uniform', depth=doc['a0_depth'])
+  logits, _, _ = decoding.score_cached(loaded.model, jnp.asarray(toks), 4, a0, jax.random.key(0))
+  lg = np.asarray(logits, np.float64)
+  nll = (np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1)) + lg.max(-1)
+         - np.take_along_axis(lg, toks[:, 4:, None], -1)[..., 0])
+  assert rows['a0']['forced_loss'] == pytest.approx((nll * w).sum() / w.sum(), rel=1e-4)
+  assert rows['a0']['forced_tokens'] == w.sum() > 0
+  bad = subprocess.run(cmd[:4] + ['--serve_shape=nano', '--decode_tokens=forced'], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert bad.returncode != 0 and 'needs --workdir' in bad.stderr
 
 def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
   """experiments.generate prints decoding.generate's greedy tokens with their depths (its
