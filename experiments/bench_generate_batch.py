@@ -133,6 +133,10 @@ def _setup(calibrate):
     mdl = loaded.model
     a0_depth, r_max = int(round(loaded.cfg.depth.mean)), loaded.r_max
     pool = _val_pool(loaded.data, p, _F.new_tokens)
+    if loaded.cfg.data.loss_on == 'answers' and _DECODE.value == 'generated':
+      print('note: this model was trained on answer tokens only, so its own continuations '
+            'leave the task after the first answer; --decode_tokens=forced decodes the '
+            'task\'s text instead', flush=True)
     rng = jax.random.key(_F.seed)
     q = _matched(mdl, loaded.batches, rng, a0_depth, r_max)
     return mdl, pool, a0_depth, r_max, q, f'{_F.workdir} step {loaded.step}'
