@@ -153,36 +153,36 @@ def _rot(st: State, pos_C) -> Rotary:
 
 
 def _next_token(st: State, rows, pos_C, rng, pick: Pick):
-  """(token [C], its NLL [C] under the row's exited logits: forced decoding only)."""
+  """(token [C], its NLL [C] under the row's exited logits: forced decoding only, else ())."""
   logits_C = rows.take(st.logits)
   if not pick.forced:
-    return decoding.pick(logits_C, pos_C, rng, pick.temperature), jnp.zeros(pos_C.shape)
+    return decoding.pick(logits_C, pos_C, rng, pick.temperature), ()
   tok_C = jnp.take_along_axis(rows.take(st.tokens), pos_C[:, None], axis=1)[:, 0]
-  return tok_C, losses.nll(logits_C, tok_C)
+  return tok_C, (losses.nll(logits_C, tok_C),)
 
 
 def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, pick: Pick, caps) -> State:
   """Rows in mask_B pick (or read) their token at pos_B and start it at loop 0."""
-  def run(rows, tok, nll, s, inj, kv):  # the pass returns rows; caches are written below
+  def run(rows, tok, s, inj, kv, *nll):  # the pass returns rows; caches are written below
     pos_C = rows.take(pos_B)
     tok_C, nll_C = _next_token(st, rows, pos_C, rng, pick)
     pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
     e_C, fresh = _run_cached(
         lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)
-    return (rows.put(tok, tok_C), rows.put(nll, nll_C),
-            rows.put(s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
-            rows.put(inj, model.inject(e_C)), jax.tree.map(rows.put, kv, fresh))
+    return (rows.put(tok, tok_C), rows.put(s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
+            rows.put(inj, model.inject(e_C)), jax.tree.map(rows.put, kv, fresh),
+            *map(rows.put, nll, nll_C))
   b = mask_B.shape[0]
   z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   kv0 = [(z, z) if blk.has_attn else None for blk in model.prelude]
-  (tok, nll, s, inj, kv), cap = compaction.on_rows(
-      mask_B, caps, run, lambda *a: a, jnp.zeros((b,), jnp.int32), jnp.zeros((b,)), st.s,
-      st.inj, kv0)
+  nll0 = (jnp.zeros((b,)),) if pick.forced else ()
+  (tok, s, inj, kv, *nll), cap = compaction.on_rows(
+      mask_B, caps, run, lambda *a: a, jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0, *nll0)
   m, rows_B = mask_B, jnp.arange(b)
   tokens = st.tokens.at[rows_B, jnp.where(m, pos_B, st.tokens.shape[1])].set(tok, mode='drop')
   if pick.forced:
     st = st._replace(nll=st.nll.at[rows_B, jnp.where(m, st.n, st.nll.shape[1])].set(
-        nll, mode='drop'))
+        nll[0], mode='drop'))
   return st._replace(cache=st.cache._replace(prelude=_put_fresh(st.cache.prelude, pos_B, m, kv)),
                      s=s, inj=inj, pos=jnp.where(m, pos_B, st.pos), loop=jnp.where(m, 0, st.loop),
                      run=jnp.where(m, 0, st.run), tokens=tokens,
