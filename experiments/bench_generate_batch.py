@@ -206,7 +206,8 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
 
 
 def _outputs(out) -> tuple:
-  """(depths [B, n], NLL [B, n] or None, lockstep's counts or None) of an engine's output."""
+  """(depths [B, n], NLL [B, n] (forced decoding; else None or zeros), lockstep's counts or
+  None) of an engine's output."""
   if isinstance(out, serving.Generation):
     return out.depth, out.nll, None
   forced = len(out) == 4  # decoding.generate: tokens, depth[, nll], counts
@@ -286,7 +287,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) 
     _phase_fields(rows[key], times[key], times[f'prefill:{pk}'], b * n, pdepth, a0)
     _flop_fields(rows[key], _per_token_counts(out, b, n, key != 'a0'), mdl.cfg,
                  _F.prompt_len + n, a0)
-    if nll is not None:  # forced decoding: the loss of these very calls
+    if forced is not None:  # forced decoding: the loss of these very calls
       w = np.resize(pool['weight'], (b, n))
       rows[key]['forced_loss'] = float(np.sum(np.asarray(nll, np.float64) * w) / max(w.sum(), 1))
       rows[key]['forced_tokens'] = float(w.sum())
