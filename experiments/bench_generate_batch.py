@@ -205,13 +205,11 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
   return row
 
 
-def _outputs(out) -> tuple:
-  """(depths [B, n], NLL [B, n] (forced decoding; else None or zeros), lockstep's counts or
-  None) of an engine's output."""
+def _outputs(out, forced: bool) -> tuple:
+  """(depths [B, n], NLL [B, n] (forced decoding, else None), lockstep's counts or None)."""
   if isinstance(out, serving.Generation):
-    return out.depth, out.nll, None
-  forced = len(out) == 4  # decoding.generate: tokens, depth[, nll], counts
-  return out[1], out[2] if forced else None, out[-1]
+    return out.depth, out.nll if forced else None, None
+  return out[1], out[2] if forced else None, out[-1]  # tokens, depth[, nll], counts
 
 
 def _per_token_counts(out, b: int, n: int, checked: bool) -> dict:
@@ -222,7 +220,7 @@ def _per_token_counts(out, b: int, n: int, checked: bool) -> dict:
     core, reads = int(c.core_rows) / rows, int(c.readout_rows) / rows
     return dict(prelude=int(c.prelude_rows) / rows, core=core, coda=reads, head=reads,
                 checks=core if checked else 0.0)
-  c = _outputs(out)[2]
+  c = out[-1]  # decoding.generate(with_counts=True): its counts come last
   core = float(np.sum(c.core_passes)) / n
   return dict(prelude=1.0, core=core, coda=float(np.sum(c.coda_passes)) / n,
               head=float(np.sum(c.head_passes)) / n, checks=core if checked else 0.0)
@@ -275,7 +273,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) 
   for key, fn in fns.items():
     out = fn(prompts, forced)
     is_served = isinstance(out, serving.Generation)
-    depth, nll, _ = _outputs(out)
+    depth, nll, _ = _outputs(out, forced is not None)
     pdepth = out.prompt_depth if is_served else None
     pk = 'a1_depthwise' if is_served else key
     if pdepth is None:
