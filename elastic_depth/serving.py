@@ -72,7 +72,7 @@ class Generation(NamedTuple):
   depth: jax.Array         # [B, n_new] loops per generated token
   prompt_depth: jax.Array  # [B, P] prefill depths (padding included)
   counts: Counts
-  nll: Any = None          # [B, n_new] forced decoding: -log p(forced token) (else zeros)
+  nll: Any = None          # [B, n_new] forced decoding: -log p(forced token) (else None)
 
 
 class Pick(NamedTuple):
@@ -408,4 +408,5 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
                             forced_BxN=forced_BxN)
   st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact,
            wait_rows=wait_rows, forced=forced_BxN is not None)
-  return Generation(st.tokens, st.depth, pdepth, st.counts, st.nll)
+  return Generation(st.tokens, st.depth, pdepth, st.counts,
+                    st.nll if forced_BxN is not None else None)

@@ -208,7 +208,7 @@ def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=No
 def _outputs(out, forced: bool) -> tuple:
   """(depths [B, n], NLL [B, n] (forced decoding, else None), lockstep's counts or None)."""
   if isinstance(out, serving.Generation):
-    return out.depth, out.nll if forced else None, None
+    return out.depth, out.nll, None
   return out[1], out[2] if forced else None, out[-1]  # tokens, depth[, nll], counts
 
 

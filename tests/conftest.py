@@ -78,6 +78,13 @@ def kl_np(h_new, h_old, w):
   return np.sum(np.exp(la) * (la - lb), axis=-1)
 
 
+def nll_np(logits, targets):
+  """-log softmax(logits)[target] in float64, over the last axis."""
+  lg = np.asarray(logits, np.float64)
+  lse = np.logaddexp.reduce(lg, axis=-1)
+  return lse - np.take_along_axis(lg, np.asarray(targets)[..., None], -1)[..., 0]
+
+
 def attend_list(ks, vs):
   """kv_fn attending to an explicit list of earlier (k, v) plus the new one."""
   def fn(k, v):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, safe_eps
+from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, nll_np, safe_eps
 from elastic_depth import config, decoding, inference, model as model_lib
 
 R = 10
@@ -94,12 +94,17 @@ def test_cache_size_independent_of_loops():
   assert all(x.shape == (1, 2, 32, 8) for x in leaves)  # [B, G, S, K]
 
 
-def test_batched_generation_equals_per_row_generation():
-  """Rows exit at different loops; each row must equal its batch-1 generation."""
+def _two_rows():
+  """(model, rng, two prompts, a KL config whose exits are ragged on them)."""
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
   rng = jax.random.key(0)
   prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
-  cfg = median_kl_cfg(mdl, prompts, rng, R)
+  return mdl, rng, prompts, median_kl_cfg(mdl, prompts, rng, R)
+
+
+def test_batched_generation_equals_per_row_generation():
+  """Rows exit at different loops; each row must equal its batch-1 generation."""
+  mdl, rng, prompts, cfg = _two_rows()
   gen = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))
   toks, depth = gen(prompts)
   assert np.any(np.asarray(depth[0]) != np.asarray(depth[1]))  # rows exit apart
@@ -165,10 +170,7 @@ def test_gated_check_matches_brute_force_in_cached_and_parallel_semantics():
 
 def test_generation_counts_every_rows_deepest_loops():
   """Lockstep generation's counts: each step runs all rows to the batch's deepest row."""
-  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
-  rng = jax.random.key(0)
-  prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
-  cfg = median_kl_cfg(mdl, prompts, rng, R)
+  mdl, rng, prompts, cfg = _two_rows()
   toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))(prompts)
   toks_c, depth_c, counts = jax.jit(
       lambda p: decoding.generate(mdl, p, 6, cfg, rng, with_counts=True))(prompts)
@@ -212,18 +214,11 @@ def test_forced_decoding_equals_cached_scoring_with_float64_nll():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(toks))
   np.testing.assert_array_equal(np.asarray(depth), np.asarray(depth_tf))
   assert len(np.unique(np.asarray(depth))) > 1  # ragged exits
-  lg = np.asarray(logits, np.float64)
-  m = lg.max(-1, keepdims=True)
-  lse = (m + np.log(np.exp(lg - m).sum(-1, keepdims=True)))[..., 0]
-  tgt = np.take_along_axis(lg, np.asarray(toks[:, 4:])[..., None], -1)[..., 0]
-  np.testing.assert_allclose(np.asarray(nll), lse - tgt, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(nll), nll_np(logits, toks[:, 4:]), rtol=1e-5, atol=1e-5)
 
 
 def test_forcing_the_greedy_tokens_reproduces_greedy_generation():
-  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
-  rng = jax.random.key(0)
-  prompts = jnp.asarray([[3, 17, 5, 9], [40, 2, 2, 31]], jnp.int32)
-  cfg = median_kl_cfg(mdl, prompts, rng, R)
+  mdl, rng, prompts, cfg = _two_rows()
   toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))(prompts)
   out, d2, nll = jax.jit(lambda p, f: decoding.generate(mdl, p, 6, cfg, rng, forced_BxN=f))(
       prompts, toks[:, 4:])

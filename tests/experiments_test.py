@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import built_once
+from conftest import built_once, nll_np
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, train
 from elastic_depth.data import synthetic
 from elastic_depth import router as router_lib
@@ -222,9 +222,7 @@ def test_bench_generate_forced_decoding_reports_the_timed_calls_loss(workdir, tm
   w = np.concatenate([np.asarray(b['mask'], np.float64) for b in val])[:2, 3:7]
   a0 = config_lib.ExitConfig(policy='uniform', depth=doc['a0_depth'])
   logits, _, _ = decoding.score_cached(loaded.model, jnp.asarray(toks), 4, a0, jax.random.key(0))
-  lg = np.asarray(logits, np.float64)
-  nll = (np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1)) + lg.max(-1)
-         - np.take_along_axis(lg, toks[:, 4:, None], -1)[..., 0])
+  nll = nll_np(logits, toks[:, 4:])
   assert rows['a0']['forced_loss'] == pytest.approx((nll * w).sum() / w.sum(), rel=1e-4)
   assert rows['a0']['forced_tokens'] == w.sum() > 0
   bad = subprocess.run(cmd[:4] + ['--serve_shape=nano', '--decode_tokens=forced'], cwd=REPO,
