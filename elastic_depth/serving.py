@@ -26,10 +26,14 @@ only reads the caches (its queries attend to the cache and to their own fresh ke
 conditional that passes a cache through or scatters into it copies the whole cache.
 `run(..., compact=False)` runs them over all B rows whenever any row needs them (the
 engine before compaction, a benchmark baseline). A row's readout and admission run at
-the start of the step after its exit (`_flush`); with `wait_rows` > 1 an exited row idles
-until that many rows wait (or none has a token in flight), so the passes run less often
-and fuller, at the price of idle core slots (wait_rows = B: lockstep's schedule, with
-each row's own depths). The Counts below record what executed.
+the start of the step after its exit (`_flush`); for checks that never read out
+(state_delta, uniform) every exit needs its final readout, so the readout, the pick and
+the prelude run as ONE pass over the same buffer (`_flush_fused`; `fuse=False`: two
+passes, the admission's buffer holding the rows that continue, a baseline). With
+`wait_rows` > 1 an exited row idles until that many rows wait (or none has a token in
+flight), so the passes run less often and fuller, at the price of idle core slots
+(wait_rows = B: lockstep's schedule, with each row's own depths). The Counts below
+record what executed.
 
 Forced decoding (`generate(..., forced_BxN=...)`, like `decoding.generate`'s): each row's
 next token is read from the given continuation instead of picked, and its NLL under the
@@ -152,41 +156,64 @@ def _rot(st: State, pos_C) -> Rotary:
   return Rotary(*(jnp.take(t, pos_C, axis=0) for t in st.rot))
 
 
-def _next_token(st: State, rows, pos_C, rng, pick: Pick):
-  """(token [C], its NLL [C] under the row's exited logits: forced decoding only, else ())."""
-  logits_C = rows.take(st.logits)
+def _next_token(st: State, rows, pos_C, rng, pick: Pick, logits_C=None):
+  """(token [C], its NLL [C] under the row's exited logits (default: st.logits' rows):
+  forced decoding only, else ())."""
+  logits_C = rows.take(st.logits) if logits_C is None else logits_C
   if not pick.forced:
     return decoding.pick(logits_C, pos_C, rng, pick.temperature), ()
   tok_C = jnp.take_along_axis(rows.take(st.tokens), pos_C[:, None], axis=1)[:, 0]
   return tok_C, (losses.nll(logits_C, tok_C),)
 
 
-def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, pick: Pick, caps) -> State:
-  """Rows in mask_B pick (or read) their token at pos_B and start it at loop 0."""
-  def run(rows, tok, s, inj, kv, *nll):  # the pass returns rows; caches are written below
-    pos_C = rows.take(pos_B)
-    tok_C, nll_C = _next_token(st, rows, pos_C, rng, pick)
-    pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
-    e_C, fresh = _run_cached(
-        lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)
-    return (rows.put(tok, tok_C), rows.put(s, jnp.take(st.init, pos_C, axis=0, mode='clip')),
-            rows.put(inj, model.inject(e_C)), jax.tree.map(rows.put, kv, fresh),
-            *map(rows.put, nll, nll_C))
-  b = mask_B.shape[0]
+def _admission(model: LoopedLM, st: State, rows, pos_C, rng, pick: Pick, logits_C=None):
+  """The admission pass on a buffer's rows at pos_C: (token, initial state, injection,
+  prelude fresh (k, v), NLL tuple) [C, ...]."""
+  tok_C, nll_C = _next_token(st, rows, pos_C, rng, pick, logits_C)
+  pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
+  e_C, fresh = _run_cached(
+      lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)
+  return tok_C, jnp.take(st.init, pos_C, axis=0, mode='clip'), model.inject(e_C), fresh, nll_C
+
+
+def _admit_args(model: LoopedLM, st: State, pick: Pick) -> tuple:
+  """The admission's full-batch operands: token, state, injection, prelude kv, NLL."""
+  b = st.s.shape[0]
   z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
   kv0 = [(z, z) if blk.has_attn else None for blk in model.prelude]
   nll0 = (jnp.zeros((b,)),) if pick.forced else ()
-  (tok, s, inj, kv, *nll), cap = compaction.on_rows(
-      mask_B, caps, run, lambda *a: a, jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0, *nll0)
-  m, rows_B = mask_B, jnp.arange(b)
+  return (jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0, *nll0)
+
+
+def _put_admission(rows, res, tok, s, inj, kv, *nll) -> tuple:
+  """The full-batch operands with the buffer's admission results."""
+  tok_C, s_C, inj_C, fresh, nll_C = res
+  return (rows.put(tok, tok_C), rows.put(s, s_C), rows.put(inj, inj_C),
+          jax.tree.map(rows.put, kv, fresh), *map(rows.put, nll, nll_C))
+
+
+def _admitted(st: State, mask_B, pos_B, pick: Pick, out, cap) -> State:
+  """Rows in mask_B start their token at pos_B at loop 0 (out: `_put_admission`'s)."""
+  tok, s, inj, kv, *nll = out
+  m, rows_B = mask_B, jnp.arange(mask_B.shape[0])
   tokens = st.tokens.at[rows_B, jnp.where(m, pos_B, st.tokens.shape[1])].set(tok, mode='drop')
   if pick.forced:
     st = st._replace(nll=st.nll.at[rows_B, jnp.where(m, st.n, st.nll.shape[1])].set(
         nll[0], mode='drop'))
+  keep = lambda new, old: jnp.where(m.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
   return st._replace(cache=st.cache._replace(prelude=_put_fresh(st.cache.prelude, pos_B, m, kv)),
-                     s=s, inj=inj, pos=jnp.where(m, pos_B, st.pos), loop=jnp.where(m, 0, st.loop),
-                     run=jnp.where(m, 0, st.run), tokens=tokens,
+                     s=keep(s, st.s), inj=keep(inj, st.inj), pos=jnp.where(m, pos_B, st.pos),
+                     loop=jnp.where(m, 0, st.loop), run=jnp.where(m, 0, st.run), tokens=tokens,
                      counts=st.counts._replace(prelude_rows=st.counts.prelude_rows + cap))
+
+
+def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, pick: Pick, caps) -> State:
+  """Rows in mask_B pick (or read) their token at pos_B and start it at loop 0."""
+  def run(rows, *args):  # the pass returns rows; caches are written in _admitted
+    return _put_admission(rows, _admission(model, st, rows, rows.take(pos_B), rng, pick),
+                          *args)
+  out, cap = compaction.on_rows(mask_B, caps, run, lambda *a: a, *_admit_args(model, st, pick))
+  return _admitted(st, mask_B, pos_B, pick, out, cap)
 
 
 def _is_check(cfg: ExitConfig, i):
@@ -260,29 +287,57 @@ def _write_coda(model: LoopedLM, st: State, kv, rows_B) -> list:
   return keep_kv(model.coda, _put_fresh(st.cache.coda, st.pos, rows_B, kv), st.cache.coda)
 
 
+def _flushed(st: State, wait_rows: int, force: bool):
+  """The waiting rows whose readout and admission run now: all of them once wait_rows
+  wait (or no row has a token in flight, or force), else none."""
+  running = (st.n < st.depth.shape[1]) & ~st.wait
+  go = jnp.any(st.wait) & ((jnp.sum(st.wait) >= wait_rows) | ~jnp.any(running) | force)
+  return st.wait & go
+
+
 def _flush(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
            force: bool = False) -> State:
-  """The waiting rows' final readouts and admissions, once wait_rows rows wait (or no row
-  has a token in flight, or force): one pass of each for all of them."""
-  n_new = st.depth.shape[1]
-  running = (st.n < n_new) & ~st.wait
-  go = jnp.any(st.wait) & ((jnp.sum(st.wait) >= wait_rows) | ~jnp.any(running) | force)
-  flushed = st.wait & go
+  """The waiting rows' final readouts and admissions (`_flushed`): one pass of each."""
+  flushed = _flushed(st, wait_rows, force)
   need = flushed & st.unread
   (logits, kv), n_final = _final(model, st, st.s, need, st.logits,
                                  _zero_kv(model, st.s.shape[0]), caps)
   c = st.counts
   st = st._replace(cache=st.cache._replace(coda=_write_coda(model, st, kv, need)), logits=logits,
-                   wait=st.wait & ~go, unread=st.unread & ~go,
+                   wait=st.wait & ~flushed, unread=st.unread & ~flushed,
                    counts=c._replace(readout_rows=c.readout_rows + n_final))
-  return _admit(model, st, flushed & (st.n < n_new), st.pos + 1, rng, pick, caps)
+  admit = flushed & (st.n < st.depth.shape[1])
+  return _admit(model, st, admit, st.pos + 1, rng, pick, caps)
 
 
-def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, pick: Pick, caps,
-          wait_rows: int, st: State) -> State:
+def _flush_fused(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
+                 force: bool = False) -> State:
+  """`_flush` where every waiting row's readout is pending (checks that never read out):
+  the readout and the admission in one pass over the same rows."""
+  flushed = _flushed(st, wait_rows, force)
+  t = st.tokens.shape[1]
+  def run(rows, logits, kv, *args):
+    caches, pos_C = _take_coda(rows, st)
+    out, fresh = _coda(model, st, caches, pos_C, rows.take(st.s),
+                       lambda c, f: _read_kv(c, pos_C, f))
+    res = _admission(model, st, rows, jnp.minimum(pos_C + 1, t - 1), rng, pick, out[:, 0])
+    return (rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh),
+            *_put_admission(rows, res, *args))
+  (logits, kv, *out), cap = compaction.on_rows(
+      flushed, caps, run, lambda *a: a, st.logits, _zero_kv(model, st.s.shape[0]),
+      *_admit_args(model, st, pick))
+  c = st.counts
+  st = st._replace(cache=st.cache._replace(coda=_write_coda(model, st, kv, flushed)),
+                   logits=logits, wait=st.wait & ~flushed, unread=st.unread & ~flushed,
+                   counts=c._replace(readout_rows=c.readout_rows + cap))
+  admit = flushed & (st.n < st.depth.shape[1])
+  return _admitted(st, admit, st.pos + 1, pick, out, cap)
+
+
+def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, st: State) -> State:
   """One engine step: the waiting rows' readouts and admissions (`_flush`), then a core loop
   for every in-flight token and its exit check; exits wait for the next flush."""
-  st = _flush(model, st, caps, rng, pick, wait_rows)
+  st = flush(st)
   n_new = st.depth.shape[1]
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
@@ -297,9 +352,8 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, rng, pick: Pick, caps,
   done = fire | (act & (i >= inference.loop_cap(cfg)))
   rows = jnp.arange(act.shape[0])
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
-  b = jnp.int32(act.shape[0])
   c = st.counts
-  counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + b,
+  counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + act.shape[0],
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
                       readout_rows=c.readout_rows + n_pair)
   read = done & ran  # a firing check's logits and coda keys/values are the token's
@@ -373,7 +427,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
 
 def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
         temperature: float = 0.0, compact: bool = True, wait_rows: int = 1,
-        forced: bool = False) -> State:
+        forced: bool = False, fuse: bool = True) -> State:
   """Engine steps until every row has produced `until` tokens (default: all n_new).
 
   compact=False runs the readouts and admissions over all B rows whenever any row needs
@@ -382,20 +436,24 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
   readouts and admissions run as one pass each: fewer, fuller passes for idle core slots
   (1: every step's exits at the next step, as soon as possible). Tokens and depths do not
   depend on it. forced: the State came from `start` with forced_BxN (forced decoding).
+  fuse: for checks that never read out, the final readout and the admission in one pass
+  (False: two passes; same tokens and depths).
   """
   n_new, b = st.depth.shape[1], st.depth.shape[0]
   pick = Pick(temperature, forced)
   until = n_new if until is None else until
   caps = compaction.pow2_capacities(b) if compact else (0, b)
+  fn = _flush_fused if fuse and cfg.policy not in _READING_CHECKS else _flush
+  flush = lambda st, force=False: fn(model, st, caps, rng, pick, wait_rows, force)
   cond = lambda st: jnp.any(st.n < jnp.minimum(until, n_new))
-  st = lax.while_loop(
-      cond, lambda st: _step(model, cfg, eps_B, rng, pick, caps, wait_rows, st), st)
-  return _flush(model, st, caps, rng, pick, wait_rows, force=True)
+  st = lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, flush, caps, st), st)
+  return flush(st, force=True)
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              eps_B=None, prompt_len_B=None, temperature: float = 0.0,
-             compact: bool = True, wait_rows: int = 1, forced_BxN=None) -> Generation:
+             compact: bool = True, wait_rows: int = 1, forced_BxN=None,
+             fuse: bool = True) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
   Args: as `start` (forced_BxN: forced decoding, the NLL of each forced token); compact
@@ -407,6 +465,6 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
                             prompt_len_B=prompt_len_B, temperature=temperature,
                             forced_BxN=forced_BxN)
   st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact,
-           wait_rows=wait_rows, forced=forced_BxN is not None)
+           wait_rows=wait_rows, forced=forced_BxN is not None, fuse=fuse)
   return Generation(st.tokens, st.depth, pdepth, st.counts,
                     st.nll if forced_BxN is not None else None)

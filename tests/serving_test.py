@@ -107,8 +107,11 @@ def _replay(depth_BxN, cfg, *, paired: bool):
   return steps, out
 
 
-def _assert_counts_replayed(depth, cfg, counts, *, paired: bool):
-  """Counts equal the replay, each pass counted at its bucket; returns the buckets used."""
+def _assert_counts_replayed(depth, cfg, counts, *, paired: bool, fused: bool = False):
+  """Counts equal the replay, each pass counted at its bucket; returns the buckets used.
+
+  fused: the readout and admission are one pass over every exit (checks that never read
+  out), so the admissions run on the final readouts' buffer, last tokens included."""
   b = depth.shape[0]
   steps, per_step = _replay(depth, cfg, paired=paired)
   assert int(counts.steps) == steps
@@ -116,7 +119,8 @@ def _assert_counts_replayed(depth, cfg, counts, *, paired: bool):
   assert int(counts.active_rows) == depth.sum()
   assert int(counts.readout_rows) == sum(2 * _bucket(p, b) + _bucket(f, b)
                                          for p, f, _ in per_step)  # a pair reads 2 states
-  assert int(counts.prelude_rows) == b + sum(_bucket(a, b) for _, _, a in per_step)
+  assert int(counts.prelude_rows) == b + sum(_bucket(f if fused else a, b)
+                                             for _, f, a in per_step)
   return {_bucket(n, b) for row in per_step for n in row} - {0}
 
 
@@ -140,7 +144,14 @@ def test_state_change_rows_equal_their_own_generation(patience):
   depth = np.asarray(out.depth)
   assert len(np.unique(depth)) > 2  # ragged exits
   _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
-  _assert_counts_replayed(depth, cfg, out.counts, paired=False)  # only exits read out
+  _assert_counts_replayed(depth, cfg, out.counts, paired=False, fused=True)  # exits read out
+  # the same engine with the readout and the admission as two passes
+  two = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e, prompt_len_B=n,
+                                                  fuse=False))(
+      jnp.asarray(PROMPTS, jnp.int32), eps_B, jnp.asarray(PLEN, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(two.tokens), np.asarray(out.tokens))
+  np.testing.assert_array_equal(np.asarray(two.depth), depth)
+  _assert_counts_replayed(depth, cfg, two.counts, paired=False)
 
 
 @pytest.mark.parametrize('policy,stat', [('kl', 'kl'), ('state_delta', 'delta')])
@@ -279,11 +290,15 @@ def test_sampled_rows_equal_their_own_generation(setup):
   assert sampled_differs  # the test samples
 
 
-def test_forced_rows_equal_their_own_forced_decoding(setup):
+@pytest.mark.parametrize('policy', ['kl', 'state_delta'])
+def test_forced_rows_equal_their_own_forced_decoding(setup, policy):
   """Forced decoding through the engine (right-padded prompts, two eps tiers, wait_rows 1
-  and B): each row's tokens are the forced ones, and its depths and NLLs equal lockstep
-  forced decoding of that row alone; a forced run leaves the executed schedule as replayed."""
+  and B; state_delta: the fused readout and admission): each row's tokens are the forced
+  ones, and its depths and NLLs equal lockstep forced decoding of that row alone; a forced
+  run leaves the executed schedule as replayed."""
   mdl, rng, cfg, eps_B, _ = setup
+  if policy == 'state_delta':
+    cfg, eps_B, _ = _two_tiers(mdl, rng, 'state_delta', 'delta')
   prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
   forced = jax.random.randint(jax.random.key(7), (len(PROMPTS), N), 0, mdl.cfg.vocab_size)
   alone = jax.jit(lambda p, f, eps: decoding.generate(
@@ -295,7 +310,8 @@ def test_forced_rows_equal_their_own_forced_decoding(setup):
     depth = np.asarray(out.depth)
     assert len(np.unique(depth)) > 1
     if wait_rows == 1:
-      _assert_counts_replayed(depth, cfg, out.counts, paired=True)
+      _assert_counts_replayed(depth, cfg, out.counts, paired=policy == 'kl',
+                              fused=policy == 'state_delta')
     for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
       _, d, nll = alone(jnp.asarray([p[:n]], jnp.int32), forced[b:b + 1], eps_B[b])
       np.testing.assert_array_equal(np.asarray(out.tokens[b, n:n + N]), np.asarray(forced[b]))
