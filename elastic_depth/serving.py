@@ -7,7 +7,9 @@ max_loops) reads out its logits, picks its next token, runs the prelude on it an
 starts that token's loop 1 at the next step, while the other rows keep looping on
 their own tokens; a row that has produced its n_new tokens is idle. Rows therefore
 sit at different positions: per-row positions, cache writes and attention masks. The
-core runs over all B rows at every step (idle rows masked).
+core runs over all B rows at every step (idle rows masked), except with wait_rows > 1
+(below), where idle rows accumulate: there it runs on the rows in flight only, compacted
+like the passes (`_core`).
 
 Per row the semantics are exactly `decoding.generate`'s (cached semantics, the same
 initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
@@ -63,7 +65,7 @@ class Counts(NamedTuple):
   capped at B (0 when n = 0; B for every pass with compact=False).
   """
   steps: jax.Array         # engine steps (one core loop each), int32 []
-  core_rows: jax.Array     # core loops x rows executed (all B rows every step), int32 []
+  core_rows: jax.Array     # core loops x rows executed (B a step; wait_rows > 1: buckets)
   active_rows: jax.Array   # of which rows with a token in flight (= sum of depths), int32 []
   readout_rows: jax.Array  # coda + head readouts x bucket rows (a paired check: 2 per row)
   prelude_rows: jax.Array  # prelude passes x bucket rows (B for the first tokens)
@@ -334,17 +336,22 @@ def _flush_fused(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: i
   return _admitted(st, admit, st.pos + 1, pick, out, cap)
 
 
-def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, st: State) -> State:
+def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, core_caps,
+          st: State) -> State:
   """One engine step: the waiting rows' readouts and admissions (`_flush`), then a core loop
   for every in-flight token and its exit check; exits wait for the next flush."""
   st = flush(st)
   n_new = st.depth.shape[1]
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
-  s_new, kvs = model.core_step(st.s, st.inj, st.pos[:, None],
-                               [_row_kv(c, st.pos, act) for c in st.cache.core], _rot(st, st.pos))
-  core = keep_kv(model.core, kvs, st.cache.core)
-  s_new = jnp.where(act[:, None, None], s_new, st.s)
+  if core_caps:  # waiting rows idle: the core runs on the rows in flight only
+    s_new, core, n_core = _core(model, st, act, core_caps)
+  else:
+    s_new, kvs = model.core_step(st.s, st.inj, st.pos[:, None],
+                                 [_row_kv(c, st.pos, act) for c in st.cache.core],
+                                 _rot(st, st.pos))
+    core, n_core = keep_kv(model.core, kvs, st.cache.core), act.shape[0]
+    s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
   eps_i = policies.threshold(eps_B, cfg.eps_growth, i)
   run = policies.run_below(delta, eps_i, i, st.run, act)
@@ -353,7 +360,7 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, st: State) -> St
   rows = jnp.arange(act.shape[0])
   depth = st.depth.at[rows, jnp.where(done, st.n, n_new)].set(i, mode='drop')
   c = st.counts
-  counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + act.shape[0],
+  counts = c._replace(steps=c.steps + 1, core_rows=c.core_rows + n_core,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
                       readout_rows=c.readout_rows + n_pair)
   read = done & ran  # a firing check's logits and coda keys/values are the token's
@@ -363,6 +370,22 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, st: State) -> St
                      s=s_new, loop=i, run=run, n=st.n + done.astype(jnp.int32),
                      logits=jnp.where(read[:, None], logits, st.logits), depth=depth,
                      counts=counts, wait=st.wait | done, unread=st.unread | (done & ~ran))
+
+
+def _core(model: LoopedLM, st: State, act, caps):
+  """One core loop of the rows in act, in the smallest of caps that holds them (the others
+  keep their state): (new states [B, 1, D], core caches with the fresh keys/values, rows)."""
+  def run(rows, s, kv):
+    pos_C = rows.take(st.pos)
+    caches = [tuple(rows.take(c) for c in ck) for ck in st.cache.core]
+    x, fresh = _run_cached(lambda f: model.core_step(
+        rows.take(st.s), rows.take(st.inj), pos_C[:, None], f, _rot(st, pos_C)), caches, pos_C)
+    return rows.put(s, x), jax.tree.map(rows.put, kv, fresh)
+  b = act.shape[0]
+  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  kv0 = [(z, z) if blk.has_attn else None for blk in model.core]
+  (s_new, kv), cap = compaction.on_rows(act, caps, run, lambda *a: a, st.s, kv0)
+  return s_new, _put_fresh(st.cache.core, st.pos, act, kv), cap
 
 
 def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
@@ -434,8 +457,8 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
   them (the engine before compaction; a benchmark baseline). wait_rows: a row whose token
   exited idles until that many rows wait (or none has a token in flight), then their
   readouts and admissions run as one pass each: fewer, fuller passes for idle core slots
-  (1: every step's exits at the next step, as soon as possible). Tokens and depths do not
-  depend on it. forced: the State came from `start` with forced_BxN (forced decoding).
+  (1: every step's exits at the next step, as soon as possible; > 1: the core loop runs
+  compacted to the rows in flight). Tokens and depths do not depend on it. forced: the State came from `start` with forced_BxN (forced decoding).
   fuse: for checks that never read out, the final readout and the admission in one pass
   (False: two passes; same tokens and depths).
   """
@@ -446,7 +469,8 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
   fn = _flush_fused if fuse and cfg.policy not in _READING_CHECKS else _flush
   flush = lambda st, force=False: fn(model, st, caps, rng, pick, wait_rows, force)
   cond = lambda st: jnp.any(st.n < jnp.minimum(until, n_new))
-  st = lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, flush, caps, st), st)
+  core_caps = caps if compact and wait_rows > 1 else ()
+  st = lax.while_loop(cond, lambda st: _step(model, cfg, eps_B, flush, caps, core_caps, st), st)
   return flush(st, force=True)
 
 

@@ -217,12 +217,13 @@ def test_compacted_passes_equal_all_rows_passes(setup):
   assert int(new.counts.prelude_rows) < int(old.counts.prelude_rows)
 
 
-def _steps_waiting(depth_BxN, wait_rows) -> int:
-  """Brute-force engine steps under serving's wait rule: a pass once wait_rows rows wait,
-  or no row has a token in flight."""
+def _steps_waiting(depth_BxN, wait_rows) -> tuple[int, int]:
+  """Brute-force engine steps under serving's wait rule (a pass once wait_rows rows wait,
+  or no row has a token in flight), and the core rows executed: each step's rows in
+  flight, in their bucket (wait_rows > 1), or all B rows (wait_rows = 1)."""
   b, n = depth_BxN.shape
   left = [int(d) for d in depth_BxN[:, 0]]  # loops left of each row's token in flight
-  wait, exited, steps = [False] * b, [0] * b, 0
+  wait, exited, steps, core = [False] * b, [0] * b, 0, 0
   while any(e < n for e in exited):
     running = [not w and e < n for w, e in zip(wait, exited)]
     if any(wait) and (sum(wait) >= wait_rows or not any(running)):
@@ -230,19 +231,22 @@ def _steps_waiting(depth_BxN, wait_rows) -> int:
         if wait[r] and exited[r] < n:
           left[r] = int(depth_BxN[r, exited[r]])
       wait = [False] * b
+    flying = sum(not w and e < n for w, e in zip(wait, exited))
+    core += _bucket(flying, b) if wait_rows > 1 else b
     for r in range(b):
       if not wait[r] and exited[r] < n:
         left[r] -= 1
         if left[r] == 0:
           wait[r], exited[r] = True, exited[r] + 1
     steps += 1
-  return steps
+  return steps, core
 
 
 def test_waiting_rows_change_the_schedule_not_the_tokens(setup):
   """wait_rows: exited rows idle until that many wait. Tokens, depths and caches equal the
   default engine's (wait_rows = 1: no row waits); the steps equal a brute-force replay of
-  the rule; with wait_rows = B every token round lasts its deepest row's loops (lockstep's
+  the rule, and so do the core rows (wait_rows > 1: the core loop compacted to the rows in
+  flight); with wait_rows = B every token round lasts its deepest row's loops (lockstep's
   schedule) and every admission pass takes all B rows."""
   mdl, rng, cfg, eps_B, out = setup
   prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
@@ -253,7 +257,7 @@ def test_waiting_rows_change_the_schedule_not_the_tokens(setup):
                                           wait_rows=wait_rows)
     return jax.jit(fn)(prompts, eps_B, plen)
   depth = np.asarray(out.depth)
-  assert int(out.counts.steps) == depth.sum(axis=1).max() == _steps_waiting(depth, 1)
+  assert int(out.counts.steps) == depth.sum(axis=1).max() == _steps_waiting(depth, 1)[0]
   steps = {}
   for wait_rows in (2, b):
     got = engine(wait_rows)
@@ -261,7 +265,8 @@ def test_waiting_rows_change_the_schedule_not_the_tokens(setup):
     np.testing.assert_array_equal(np.asarray(got.depth), depth)
     assert int(got.counts.active_rows) == depth.sum()
     steps[wait_rows] = int(got.counts.steps)
-    assert steps[wait_rows] == _steps_waiting(depth, wait_rows)
+    assert (steps[wait_rows], int(got.counts.core_rows)) == _steps_waiting(depth, wait_rows)
+    assert int(got.counts.core_rows) < b * steps[wait_rows]  # idle rows skipped
   assert steps[b] == depth.max(axis=0).sum()
   assert int(got.counts.prelude_rows) == b * N
   assert steps[2] > int(out.counts.steps)  # waiting delays the rows that wait
