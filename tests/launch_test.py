@@ -93,6 +93,17 @@ def test_tiny_mean8_differs_from_the_main_job_only_in_its_depths():
   assert (cfg.model, cfg.data) == (base.model, base.data)
 
 
+def test_tiny_mean8_d256_differs_from_tiny_mean8_only_in_its_width():
+  """launch/tiny_mean8_d256.flags: the mean-8 chain job with d_model 256 (heads of dim 64)."""
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8.flags")}'])
+  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8_d256.flags")}'])
+  m = cfg.model
+  assert (m.d_model, m.num_heads * m.head_dim, m.mlp_dim) == (256, 256, 512)
+  assert dataclasses.replace(m, d_model=base.model.d_model, head_dim=base.model.head_dim,
+                             mlp_dim=base.model.mlp_dim) == base.model
+  assert (cfg.depth, cfg.train, cfg.data) == (base.depth, base.train, base.data)
+
+
 def test_nested_flagfile_is_expanded_in_place(tmp_path):
   inner = tmp_path / 'inner.flags'
   inner.write_text('--config.model.d_model=48\n--config.depth.mean=3\n')
