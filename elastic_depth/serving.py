@@ -9,7 +9,7 @@ their own tokens; a row that has produced its n_new tokens is idle. Rows therefo
 sit at different positions: per-row positions, cache writes and attention masks. The
 core runs over all B rows at every step (idle rows masked), except with wait_rows > 1
 (below), where idle rows accumulate: there it runs on the rows in flight only, compacted
-like the passes (`_core`).
+like the passes (`serving_rows.core`).
 
 Per row the semantics are exactly `decoding.generate`'s (cached semantics, the same
 initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
@@ -25,7 +25,8 @@ rows (their states, positions, logits and cache rows) into a buffer of the small
 there and scatters its results and fresh keys/values back (padding slots dropped). A pass
 only reads the caches (its queries attend to the cache and to their own fresh keys,
 `attention.attention_plus`); the caches are written after the switch, since an XLA
-conditional that passes a cache through or scatters into it copies the whole cache.
+conditional that passes a cache through or scatters into it copies the whole cache (the
+passes and the carry live in `serving_rows`).
 `run(..., compact=False)` runs them over all B rows whenever any row needs them (the
 engine before compaction, a benchmark baseline). A row's readout and admission run at
 the start of the step after its exit (`_flush`); for checks that never read out
@@ -49,10 +50,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_depth import compaction, decoding, inference, losses, policies
-from elastic_depth.attention import Rotary, attention_plus
+from elastic_depth import compaction, decoding, inference, losses, policies, serving_rows
 from elastic_depth.config import ExitConfig, ExitPolicy
 from elastic_depth.model import LoopedLM, keep_kv
+from elastic_depth.serving_rows import Pick, State
 
 _POLICIES = (ExitPolicy.UNIFORM, ExitPolicy.KL, ExitPolicy.GATED_KL, ExitPolicy.STATE_DELTA)
 _READING_CHECKS = (ExitPolicy.KL, ExitPolicy.GATED_KL)  # their check pass reads the outputs
@@ -81,167 +82,9 @@ class Generation(NamedTuple):
   nll: Any = None          # [B, n_new] forced decoding: -log p(forced token) (else None)
 
 
-class Pick(NamedTuple):
-  """How an admitted token is chosen (static): sampled at `temperature` (0: greedy), or
-  forced: read from the State's token buffer, with its NLL under the exited logits."""
-  temperature: float = 0.0
-  forced: bool = False
-
-
-class State(NamedTuple):
-  """The while_loop carry: the cache and each row's in-flight token."""
-  cache: decoding.Cache
-  s: jax.Array             # [B, 1, D] state of the in-flight token
-  inj: jax.Array           # [B, 1, D] its injection (model.inject of its prelude output)
-  pos: jax.Array           # [B] its position
-  loop: jax.Array          # [B] loops it has run
-  n: jax.Array             # [B] tokens exited so far (generated and decoded)
-  logits: jax.Array        # [B, V] output of each row's last exited token
-  tokens: jax.Array        # [B, T]
-  depth: jax.Array         # [B, n_new]
-  init: jax.Array          # [T, 1, D] initial state of a token at each position
-  counts: Counts
-  run: jax.Array           # [B] state_delta: loops in a row with the change below eps
-  wait: jax.Array          # [B] its token exited; its readout and next admission pending
-  unread: jax.Array        # [B] of which the final readout of s is pending (no check's)
-  rot: Rotary              # [T, 1, 1, K/2] RoPE tables at each position (computed once)
-  nll: jax.Array           # [B, n_new] forced decoding: each token's NLL (else zeros)
-
-
-def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
-  """Row rows[j] of a group-major cache gets token-major x[j] at pos[j] (out of range: dropped)."""
-  return c_BxGxSxK.at[rows, :, pos].set(x_Bx1xGxK[:, 0].astype(c_BxGxSxK.dtype), mode='drop')
-
-
-def _read_kv(cache_kv, pos_B, fresh: list):
-  """kv_fn reading, not writing, the cache: row b's Q queries see its keys before pos_B[b]
-  and each its own fresh key (`attention.attention_plus`); the last query's fresh (k, v)
-  [B, 1, G, K] go to `fresh`, for `_put_fresh` (writing them outside any branch: no copy
-  of the cache)."""
-  def fn(k, v):  # token-major [B, Q, G, K]
-    fresh.append((k[:, -1:], v[:, -1:]))
-    s = cache_kv[0].shape[2]
-    old = (jnp.arange(s)[None, :] < pos_B[:, None])[:, None, :]
-    see = jnp.eye(k.shape[1], dtype=bool)
-    return k, v, lambda q, k_, v_: attention_plus(q, *cache_kv, old, k_, v_, see)
-  return fn
-
-
-def _row_kv(cache_kv, pos_B, write_B):
-  """kv_fn: row b writes its (k, v) at pos_B[b] (where write_B) and attends to <= pos_B[b]
-  (the core step, outside any branch: written in place, then read)."""
-  def fn(k, v):
-    s = cache_kv[0].shape[2]
-    new = _put_fresh([cache_kv], pos_B, write_B, [(k, v)])[0]
-    return (*new, decoding.attend((jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]))
-  return fn
-
-
-def _run_cached(call, caches, pos_B):
-  """call(kv_fns) -> (x, kvs) over per-row caches (read only): (x, each block's fresh
-  (k, v) [B, 1, G, K], None for blocks without attention)."""
-  fresh = [[] for _ in caches]
-  x, _ = call([_read_kv(c, pos_B, f) for c, f in zip(caches, fresh)])
-  return x, [f[0] if f else None for f in fresh]
-
-
-def _put_fresh(caches, pos_B, write_B, fresh: list) -> list:
-  """The caches with row b's fresh (k, v) at pos_B[b] where write_B (None: kept)."""
-  rows = jnp.arange(pos_B.shape[0])
-  put = lambda c, x: _put_rows(c, rows, jnp.where(write_B, pos_B, c.shape[2]), x)
-  return [c if f is None else tuple(put(x, y) for x, y in zip(c, f))
-          for c, f in zip(caches, fresh)]
-
-
-def _rot(st: State, pos_C) -> Rotary:
-  """RoPE tables at positions pos_C [C], [C, 1, 1, K/2]: gathered, no sin/cos in a step."""
-  return Rotary(*(jnp.take(t, pos_C, axis=0) for t in st.rot))
-
-
-def _next_token(st: State, rows, pos_C, rng, pick: Pick, logits_C=None):
-  """(token [C], its NLL [C] under the row's exited logits (default: st.logits' rows):
-  forced decoding only, else ())."""
-  logits_C = rows.take(st.logits) if logits_C is None else logits_C
-  if not pick.forced:
-    return decoding.pick(logits_C, pos_C, rng, pick.temperature), ()
-  tok_C = jnp.take_along_axis(rows.take(st.tokens), pos_C[:, None], axis=1)[:, 0]
-  return tok_C, (losses.nll(logits_C, tok_C),)
-
-
-def _admission(model: LoopedLM, st: State, rows, pos_C, rng, pick: Pick, logits_C=None):
-  """The admission pass on a buffer's rows at pos_C: (token, initial state, injection,
-  prelude fresh (k, v), NLL tuple) [C, ...]."""
-  tok_C, nll_C = _next_token(st, rows, pos_C, rng, pick, logits_C)
-  pre = [tuple(rows.take(c) for c in ck) for ck in st.cache.prelude]
-  e_C, fresh = _run_cached(
-      lambda f: model.encode(tok_C[:, None], pos_C[:, None], f, _rot(st, pos_C)), pre, pos_C)
-  return tok_C, jnp.take(st.init, pos_C, axis=0, mode='clip'), model.inject(e_C), fresh, nll_C
-
-
-def _admit_args(model: LoopedLM, st: State, pick: Pick) -> tuple:
-  """The admission's full-batch operands: token, state, injection, prelude kv, NLL."""
-  b = st.s.shape[0]
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  kv0 = [(z, z) if blk.has_attn else None for blk in model.prelude]
-  nll0 = (jnp.zeros((b,)),) if pick.forced else ()
-  return (jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0, *nll0)
-
-
-def _put_admission(rows, res, tok, s, inj, kv, *nll) -> tuple:
-  """The full-batch operands with the buffer's admission results."""
-  tok_C, s_C, inj_C, fresh, nll_C = res
-  return (rows.put(tok, tok_C), rows.put(s, s_C), rows.put(inj, inj_C),
-          jax.tree.map(rows.put, kv, fresh), *map(rows.put, nll, nll_C))
-
-
-def _admitted(st: State, mask_B, pos_B, pick: Pick, out, cap) -> State:
-  """Rows in mask_B start their token at pos_B at loop 0 (out: `_put_admission`'s)."""
-  tok, s, inj, kv, *nll = out
-  m, rows_B = mask_B, jnp.arange(mask_B.shape[0])
-  tokens = st.tokens.at[rows_B, jnp.where(m, pos_B, st.tokens.shape[1])].set(tok, mode='drop')
-  if pick.forced:
-    st = st._replace(nll=st.nll.at[rows_B, jnp.where(m, st.n, st.nll.shape[1])].set(
-        nll[0], mode='drop'))
-  keep = lambda new, old: jnp.where(m.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-  return st._replace(cache=st.cache._replace(prelude=_put_fresh(st.cache.prelude, pos_B, m, kv)),
-                     s=keep(s, st.s), inj=keep(inj, st.inj), pos=jnp.where(m, pos_B, st.pos),
-                     loop=jnp.where(m, 0, st.loop), run=jnp.where(m, 0, st.run), tokens=tokens,
-                     counts=st.counts._replace(prelude_rows=st.counts.prelude_rows + cap))
-
-
-def _admit(model: LoopedLM, st: State, mask_B, pos_B, rng, pick: Pick, caps) -> State:
-  """Rows in mask_B pick (or read) their token at pos_B and start it at loop 0."""
-  def run(rows, *args):  # the pass returns rows; caches are written in _admitted
-    return _put_admission(rows, _admission(model, st, rows, rows.take(pos_B), rng, pick),
-                          *args)
-  out, cap = compaction.on_rows(mask_B, caps, run, lambda *a: a, *_admit_args(model, st, pick))
-  return _admitted(st, mask_B, pos_B, pick, out, cap)
-
-
 def _is_check(cfg: ExitConfig, i):
   """Loops whose KL check decoding consults (as in decoding._gated_kl_check)."""
   return (i >= max(cfg.min_loops, 2)) & ((i - cfg.min_loops) % cfg.check_every == 0)
-
-
-def _coda(model: LoopedLM, st: State, caches, pos_B, x, kv_fn):
-  """Coda + head over x [B, Q, D] with per-block kv_fn(cache, fresh list): logits, fresh (k, v)."""
-  fresh = [[] for _ in caches]
-  pos = jnp.broadcast_to(pos_B[:, None], x.shape[:2])
-  h, kvs = model.decode_state(x, pos, [kv_fn(c, f) for c, f in zip(caches, fresh)],
-                              _rot(st, pos_B))
-  z = jnp.zeros((x.shape[0], 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  return model.logits(h), [f[0] if f else (z, z) for f in fresh]
-
-
-def _take_coda(rows, st: State):
-  """The pass's rows of the coda caches and positions."""
-  return [tuple(rows.take(c) for c in ck) for ck in st.cache.coda], rows.take(st.pos)
-
-
-def _zero_kv(model: LoopedLM, b: int) -> list:
-  """Per coda block, zero fresh (k, v) [B, 1, G, K]: what a row that read nothing offers."""
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  return [(z, z)] * model.cfg.n_coda
 
 
 def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_i, caps, delta_B,
@@ -256,37 +99,22 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_i, ca
     want &= delta_B < cfg.gate
   b = act.shape[0]
   skip = (jnp.full((b,), jnp.inf), jnp.zeros((b, model.cfg.vocab_size), jnp.float32),
-          _zero_kv(model, b))
+          serving_rows.zero_kv(model, b))
   none = jnp.zeros_like(act)
   if cfg.policy == ExitPolicy.UNIFORM:
     return none, none, skip[1], skip[2], jnp.int32(0)
-  if cfg.policy == ExitPolicy.STATE_DELTA:  # no readout: an exit reads out in _final
+  if cfg.policy == ExitPolicy.STATE_DELTA:  # no readout: an exit reads out when flushed
     return want & (run_B >= cfg.patience), none, skip[1], skip[2], jnp.int32(0)
 
   def pair(rows, kl, logits, kv):
-    caches, pos_C = _take_coda(rows, st)
+    caches, pos_C = serving_rows.take_coda(rows, st)
     x = jnp.concatenate([rows.take(st.s), rows.take(s_new)], 1)
-    out, fresh = _coda(model, st, caches, pos_C, x, lambda c, f: _read_kv(c, pos_C, f))
+    out, fresh = serving_rows.coda(model, st, caches, pos_C, x,
+                                   lambda c, f: serving_rows.read_kv(c, pos_C, f))
     return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
             rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
   (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
   return want & (kl < eps_i), want, logits, kv, 2 * cap  # a pair reads 2 states per row
-
-
-def _final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
-  """Rows in need_B (exits without a fresh check) read out their final state."""
-  def run(rows, logits, kv):
-    caches, pos_C = _take_coda(rows, st)
-    out, fresh = _coda(model, st, caches, pos_C, rows.take(s_new),
-                       lambda c, f: _read_kv(c, pos_C, f))
-    return rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh)
-  return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
-
-
-def _write_coda(model: LoopedLM, st: State, kv, rows_B) -> list:
-  """The coda caches with rows_B's fresh (k, v) at their positions (blocks without
-  attention keep their caches, which nothing reads, as in decode_step)."""
-  return keep_kv(model.coda, _put_fresh(st.cache.coda, st.pos, rows_B, kv), st.cache.coda)
 
 
 def _flushed(st: State, wait_rows: int, force: bool):
@@ -302,14 +130,15 @@ def _flush(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
   """The waiting rows' final readouts and admissions (`_flushed`): one pass of each."""
   flushed = _flushed(st, wait_rows, force)
   need = flushed & st.unread
-  (logits, kv), n_final = _final(model, st, st.s, need, st.logits,
-                                 _zero_kv(model, st.s.shape[0]), caps)
+  (logits, kv), n_final = serving_rows.final(model, st, st.s, need, st.logits,
+                                              serving_rows.zero_kv(model, st.s.shape[0]), caps)
   c = st.counts
-  st = st._replace(cache=st.cache._replace(coda=_write_coda(model, st, kv, need)), logits=logits,
+  coda = serving_rows.write_coda(model, st, kv, need)
+  st = st._replace(cache=st.cache._replace(coda=coda), logits=logits,
                    wait=st.wait & ~flushed, unread=st.unread & ~flushed,
                    counts=c._replace(readout_rows=c.readout_rows + n_final))
   admit = flushed & (st.n < st.depth.shape[1])
-  return _admit(model, st, admit, st.pos + 1, rng, pick, caps)
+  return serving_rows.admit(model, st, admit, st.pos + 1, rng, pick, caps)
 
 
 def _flush_fused(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
@@ -319,21 +148,23 @@ def _flush_fused(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: i
   flushed = _flushed(st, wait_rows, force)
   t = st.tokens.shape[1]
   def run(rows, logits, kv, *args):
-    caches, pos_C = _take_coda(rows, st)
-    out, fresh = _coda(model, st, caches, pos_C, rows.take(st.s),
-                       lambda c, f: _read_kv(c, pos_C, f))
-    res = _admission(model, st, rows, jnp.minimum(pos_C + 1, t - 1), rng, pick, out[:, 0])
+    caches, pos_C = serving_rows.take_coda(rows, st)
+    out, fresh = serving_rows.coda(model, st, caches, pos_C, rows.take(st.s),
+                                   lambda c, f: serving_rows.read_kv(c, pos_C, f))
+    res = serving_rows.admission(model, st, rows, jnp.minimum(pos_C + 1, t - 1), rng, pick,
+                                 out[:, 0])
     return (rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh),
-            *_put_admission(rows, res, *args))
+            *serving_rows.put_admission(rows, res, *args))
   (logits, kv, *out), cap = compaction.on_rows(
-      flushed, caps, run, lambda *a: a, st.logits, _zero_kv(model, st.s.shape[0]),
-      *_admit_args(model, st, pick))
+      flushed, caps, run, lambda *a: a, st.logits, serving_rows.zero_kv(model, st.s.shape[0]),
+      *serving_rows.admit_args(model, st, pick))
   c = st.counts
-  st = st._replace(cache=st.cache._replace(coda=_write_coda(model, st, kv, flushed)),
-                   logits=logits, wait=st.wait & ~flushed, unread=st.unread & ~flushed,
+  coda = serving_rows.write_coda(model, st, kv, flushed)
+  st = st._replace(cache=st.cache._replace(coda=coda), logits=logits,
+                   wait=st.wait & ~flushed, unread=st.unread & ~flushed,
                    counts=c._replace(readout_rows=c.readout_rows + cap))
   admit = flushed & (st.n < st.depth.shape[1])
-  return _admitted(st, admit, st.pos + 1, pick, out, cap)
+  return serving_rows.admitted(st, admit, st.pos + 1, pick, out, cap)
 
 
 def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, core_caps,
@@ -345,11 +176,11 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, core_caps,
   act = (st.n < n_new) & ~st.wait
   i = st.loop + act.astype(jnp.int32)
   if core_caps:  # waiting rows idle: the core runs on the rows in flight only
-    s_new, core, n_core = _core(model, st, act, core_caps)
+    s_new, core, n_core = serving_rows.core(model, st, act, core_caps)
   else:
     s_new, kvs = model.core_step(st.s, st.inj, st.pos[:, None],
-                                 [_row_kv(c, st.pos, act) for c in st.cache.core],
-                                 _rot(st, st.pos))
+                                 [serving_rows.row_kv(c, st.pos, act) for c in st.cache.core],
+                                 serving_rows.rot(st, st.pos))
     core, n_core = keep_kv(model.core, kvs, st.cache.core), act.shape[0]
     s_new = jnp.where(act[:, None, None], s_new, st.s)
   delta = policies.relative_change(s_new, st.s)[:, 0]  # once per step: gate and run read it
@@ -364,28 +195,12 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, core_caps,
                       active_rows=c.active_rows + jnp.sum(act.astype(jnp.int32)),
                       readout_rows=c.readout_rows + n_pair)
   read = done & ran  # a firing check's logits and coda keys/values are the token's
-  coda = (_write_coda(model, st, kv, read) if cfg.policy in _READING_CHECKS
+  coda = (serving_rows.write_coda(model, st, kv, read) if cfg.policy in _READING_CHECKS
           else st.cache.coda)  # the others never read out at a check (ran is all False)
   return st._replace(cache=st.cache._replace(core=core, coda=coda),
                      s=s_new, loop=i, run=run, n=st.n + done.astype(jnp.int32),
                      logits=jnp.where(read[:, None], logits, st.logits), depth=depth,
                      counts=counts, wait=st.wait | done, unread=st.unread | (done & ~ran))
-
-
-def _core(model: LoopedLM, st: State, act, caps):
-  """One core loop of the rows in act, in the smallest of caps that holds them (the others
-  keep their state): (new states [B, 1, D], core caches with the fresh keys/values, rows)."""
-  def run(rows, s, kv):
-    pos_C = rows.take(st.pos)
-    caches = [tuple(rows.take(c) for c in ck) for ck in st.cache.core]
-    x, fresh = _run_cached(lambda f: model.core_step(
-        rows.take(st.s), rows.take(st.inj), pos_C[:, None], f, _rot(st, pos_C)), caches, pos_C)
-    return rows.put(s, x), jax.tree.map(rows.put, kv, fresh)
-  b = act.shape[0]
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  kv0 = [(z, z) if blk.has_attn else None for blk in model.core]
-  (s_new, kv), cap = compaction.on_rows(act, caps, run, lambda *a: a, st.s, kv0)
-  return s_new, _put_fresh(st.cache.core, st.pos, act, kv), cap
 
 
 def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
@@ -444,7 +259,7 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              jnp.zeros((b,), bool), jnp.zeros((b,), bool),
              model.rotary(jnp.arange(p + n_new)[:, None]), jnp.zeros((b, n_new)))
   pick = Pick(temperature, forced_BxN is not None)
-  st = _admit(model, st, jnp.ones((b,), bool), plen_B, rng, pick, (b,))
+  st = serving_rows.admit(model, st, jnp.ones((b,), bool), plen_B, rng, pick, (b,))
   return st, res.depth, eps_B
 
 
@@ -458,7 +273,8 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
   exited idles until that many rows wait (or none has a token in flight), then their
   readouts and admissions run as one pass each: fewer, fuller passes for idle core slots
   (1: every step's exits at the next step, as soon as possible; > 1: the core loop runs
-  compacted to the rows in flight). Tokens and depths do not depend on it. forced: the State came from `start` with forced_BxN (forced decoding).
+  compacted to the rows in flight). Tokens and depths do not depend on it. forced: the
+  State came from `start` with forced_BxN (forced decoding).
   fuse: for checks that never read out, the final readout and the admission in one pass
   (False: two passes; same tokens and depths).
   """
