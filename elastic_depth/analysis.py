@@ -277,6 +277,17 @@ def uniform_curve(trace: Trace, mcfg) -> dict:
                     for d in e['depths']]}
 
 
+def cached_uniform_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+                         rng: jax.Array, r_max: int, progress: bool = False) -> dict:
+  """A0 at every depth 1..R in cached semantics (decode_step per token): what a cached
+  curve's frontier is judged against."""
+  runs = [policy_curve(model, batches, rng, Curve('uniform', [0.0],
+                                                  semantics=Semantics.CACHED), d)
+          for d in _bar(list(range(1, r_max + 1)), 'A0 cached', progress)]
+  return {'policy': 'uniform', 'threshold': list(range(1, r_max + 1)),
+          **{k: [r[k][0] for r in runs] for k in ('mean_loops', 'loss', 'flops')}}
+
+
 def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
                  rng: jax.Array, curve: Curve, r_max: int, progress: bool = False) -> dict:
   """Scores the batches at every threshold of the curve, in the curve's semantics.
@@ -389,7 +400,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
     extra_curves: {name: Curve} scored the same way (e.g. later probes).
     semantics: Semantics values; every curve is scored in each ('cached' curves are
-      named '<curve>@cached'; A0 stays the parallel uniform-depth run).
+      named '<curve>@cached' and judged against A0 in cached semantics, 'a0_cached').
     gate: gated_kl's gate (default: the median relative state change at loop 2).
     trace: a precomputed trace of the same batches and rng (else computed here).
     timing_repeats: the best point of each curve is timed against A0 at ref_depth
@@ -422,10 +433,13 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   a0 = uniform_curve(trace, model.cfg)
   out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta), 'gate': gate,
          'tokens': int((trace.mask > 0).sum()), 'a0': a0, 'curves': {}, 'headline': {}}
+  if Semantics.CACHED in sems:
+    out['a0_cached'] = cached_uniform_curve(model, batches, rng, r_max, progress)
   for name, spec in specs.items():
     pts = policy_curve(model, batches, rng, spec, r_max, progress)
     out['curves'][name] = pts
-    out['headline'][name] = h = books.headline(a0, pts, ref_depth, delta)
+    ref = out['a0_cached'] if Semantics(spec.semantics) == Semantics.CACHED else a0
+    out['headline'][name] = h = books.headline(ref, pts, ref_depth, delta)
     if h['best'] is not None and timing_repeats > 0:
       h['best']['wall_clock'] = wall_clock(model, batches, rng, spec, h['best']['threshold'],
                                            ref_depth, r_max, timing_repeats)

@@ -158,10 +158,14 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
                'FLOP saving (engine as run)', 'FLOP saving (active tokens, executed)',
                'wall-clock saving (same run)', 'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
               rows)
-  a0 = res['a0']
-  md += '\n## A0 (uniform depth)\n\n' + table(
-      ['depth', 'loss', 'GFLOPs/token'],
-      [[int(d), l, f / 1e9] for d, l, f in zip(a0['mean_loops'], a0['loss'], a0['flops'])])
+  for key, title in (('a0', 'A0 (uniform depth)'),
+                     ('a0_cached', 'A0 (uniform depth, cached semantics: the @cached curves\' '
+                                   'reference)')):
+    if key in res:
+      a0 = res[key]
+      md += f'\n## {title}\n\n' + table(
+          ['depth', 'loss', 'GFLOPs/token'],
+          [[int(d), l, f / 1e9] for d, l, f in zip(a0['threshold'], a0['loss'], a0['flops'])])
   for name, c in res['curves'].items():
     fr = res['headline'][name]['frontier']
     md += f'\n## {name}\n\n' + table(
@@ -204,6 +208,9 @@ def sweep_plot(res: dict):
                                              ('flops', 'GFLOPs per token', 1e-9))):
       ax = fig.add_subplot(1, 2, j + 1)
       ax.plot(np.asarray(a0[key]) * scale, a0['loss'], 'k.-', label='A0 uniform')
+      if 'a0_cached' in res:
+        a0c = res['a0_cached']
+        ax.plot(np.asarray(a0c[key]) * scale, a0c['loss'], 'k.--', label='A0 uniform @cached')
       for name, c in res['curves'].items():
         style = ('r*', 12) if name == 'calibrated' else ('o-', 3)  # calibrate_eps's eps
         ax.plot(np.asarray(c[key]) * scale, c['loss'], style[0], ms=style[1], label=name)

@@ -1,7 +1,9 @@
 """Exit-policy sweep: uniform depth (A0) at 1..R against per-token exit (A1: KL < eps)
 over a log-spaced eps grid, in loss, mean loops and FLOPs per token (exit checks
 counted). Headline: the smallest mean depth within --delta of uniform depth at the
-training mean, and A0's loss at the same mean loops (the frontier comparison).
+training mean, and A0's loss at the same mean loops (the frontier comparison). With
+--semantics=cached, A0 is scored in cached semantics too ('a0_cached', uniform depth 1..R
+token by token), and the @cached curves are judged against it.
 
   python -m experiments.sweep_eps --workdir=runs/tiny
   python -m experiments.sweep_eps --workdir=runs/ts --eps_grid=1e-5,1e-4,1e-3 \

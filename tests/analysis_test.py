@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import exit_model_config
+from conftest import exit_model_config, nll_np
 
 from elastic_depth import analysis, config, decoding, inference, losses, policies
 from elastic_depth import model as model_lib
@@ -217,3 +217,32 @@ def test_cached_semantics_curve(setup):
   np.testing.assert_allclose(c['loss'][0], np.sum(nll * mask) / np.sum(mask), rtol=1e-5)
   with pytest.raises(ValueError, match='sideways'):
     analysis.sweep(mdl, batches, rng, R, 2, semantics=('sideways',), curves=())
+
+
+def test_cached_curves_are_judged_against_a0_in_cached_semantics(setup):
+  """sweep(semantics=cached): a0_cached is uniform depth 1..R scored token by token (each
+  depth against a separate score_cached run, float64 NLL), and the @cached curves' frontier
+  reads it, not the parallel A0."""
+  mdl, batches, rng, trace = setup
+  res = analysis.sweep(mdl, batches, rng, R, ref_depth=2, eps_grid=[1e9], curves=('kl',),
+                       semantics=('parallel', 'cached'), trace=trace, timing_repeats=0)
+  a0c = res['a0_cached']
+  assert a0c['threshold'] == list(range(1, R + 1)) and a0c['mean_loops'] == list(range(1, R + 1))
+  for d in (1, R):
+    cfg = config.ExitConfig(policy='uniform', depth=d)
+    score = jax.jit(lambda t, key: decoding.score_cached(mdl, t, 1, cfg, key))
+    tot = n = 0.0
+    for k, b in enumerate(batches):
+      toks = jnp.concatenate([jnp.asarray(b['inputs']), jnp.asarray(b['targets'])[:, -1:]], 1)
+      with jax.default_matmul_precision('highest'):
+        logits, _, _ = score(toks, analysis.batch_key(rng, k))
+      m = np.asarray(b['mask'], np.float64)
+      tot += np.sum(nll_np(np.asarray(logits), np.asarray(b['targets'])) * m)
+      n += m.sum()
+    assert a0c['loss'][d - 1] == pytest.approx(tot / n, rel=1e-5)
+  # kl at eps 1e9 exits every token at loop 2: in cached semantics it is uniform depth 2
+  fr = res['headline']['kl@cached']['frontier']
+  assert fr['a0_loss_same_loops'][0] == pytest.approx(a0c['loss'][1])
+  assert res['curves']['kl@cached']['loss'][0] == pytest.approx(a0c['loss'][1], rel=1e-5)
+  assert res['headline']['kl']['frontier']['a0_loss_same_loops'][0] == pytest.approx(
+      res['a0']['loss'][1])

@@ -273,3 +273,21 @@ def test_sweep_list_flags_name_a_bad_value():
   for bad in (['0'], ['-2']):
     with pytest.raises(common.SetupError, match='--eps_growth: want positive numbers'):
       sweep_eps._growths(bad)
+
+
+def test_sweep_in_cached_semantics_reports_its_own_a0(workdir):
+  """sweep_eps --semantics=cached: the report carries A0 in cached semantics (a table in
+  the markdown) and judges the @cached curve against it; state_delta at a huge threshold
+  exits every token at loop 2, so its loss is cached A0's at depth 2."""
+  out = sweep_eps.run(_opts(workdir, tag='cached'), sweep_eps.SweepOptions(
+      curves=('state_delta',), state_delta_grid=[1e9], semantics=('parallel', 'cached'),
+      timing_repeats=0))
+  sw = _numbers(out['paths']['json'])
+  a0c = sw['a0_cached']
+  assert a0c['threshold'] == list(range(1, sw['r_max'] + 1))
+  c = sw['curves']['state_delta@cached']
+  assert c['mean_loops'] == [2.0] and c['loss'][0] == pytest.approx(a0c['loss'][1], rel=1e-5)
+  fr = sw['headline']['state_delta@cached']['frontier']
+  assert fr['a0_loss_same_loops'][0] == pytest.approx(a0c['loss'][1])
+  with open(out['paths']['md'], encoding='utf-8') as f:
+    assert 'cached semantics' in f.read()
