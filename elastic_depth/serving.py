@@ -107,10 +107,8 @@ def _check(model: LoopedLM, cfg: ExitConfig, st: State, s_new, act, i, eps_i, ca
     return want & (run_B >= cfg.patience), none, skip[1], skip[2], jnp.int32(0)
 
   def pair(rows, kl, logits, kv):
-    caches, pos_C = serving_rows.take_coda(rows, st)
     x = jnp.concatenate([rows.take(st.s), rows.take(s_new)], 1)
-    out, fresh = serving_rows.coda(model, st, caches, pos_C, x,
-                                   lambda c, f: serving_rows.read_kv(c, pos_C, f))
+    out, fresh = serving_rows.readout(model, st, rows, x)
     return (rows.put(kl, losses.kl_from_logits(out[:, 1], out[:, 0])),
             rows.put(logits, out[:, 1]), jax.tree.map(rows.put, kv, fresh))
   (kl, logits, kv), cap = compaction.on_rows(want, caps, pair, lambda *a: a, *skip)
@@ -125,6 +123,16 @@ def _flushed(st: State, wait_rows: int, force: bool):
   return st.wait & go
 
 
+def _read_out(model: LoopedLM, st: State, flushed, read, logits, kv, rows) -> tuple:
+  """The flushed rows' readouts done (rows `read` wrote their coda keys/values; `rows`
+  readout rows executed): (State, the flushed rows that admit a next token)."""
+  c = st.counts
+  st = st._replace(cache=st.cache._replace(coda=serving_rows.write_coda(model, st, kv, read)),
+                   logits=logits, wait=st.wait & ~flushed, unread=st.unread & ~flushed,
+                   counts=c._replace(readout_rows=c.readout_rows + rows))
+  return st, flushed & (st.n < st.depth.shape[1])
+
+
 def _flush(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
            force: bool = False) -> State:
   """The waiting rows' final readouts and admissions (`_flushed`): one pass of each."""
@@ -132,12 +140,7 @@ def _flush(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: int,
   need = flushed & st.unread
   (logits, kv), n_final = serving_rows.final(model, st, st.s, need, st.logits,
                                               serving_rows.zero_kv(model, st.s.shape[0]), caps)
-  c = st.counts
-  coda = serving_rows.write_coda(model, st, kv, need)
-  st = st._replace(cache=st.cache._replace(coda=coda), logits=logits,
-                   wait=st.wait & ~flushed, unread=st.unread & ~flushed,
-                   counts=c._replace(readout_rows=c.readout_rows + n_final))
-  admit = flushed & (st.n < st.depth.shape[1])
+  st, admit = _read_out(model, st, flushed, need, logits, kv, n_final)
   return serving_rows.admit(model, st, admit, st.pos + 1, rng, pick, caps)
 
 
@@ -148,22 +151,15 @@ def _flush_fused(model: LoopedLM, st: State, caps, rng, pick: Pick, wait_rows: i
   flushed = _flushed(st, wait_rows, force)
   t = st.tokens.shape[1]
   def run(rows, logits, kv, *args):
-    caches, pos_C = serving_rows.take_coda(rows, st)
-    out, fresh = serving_rows.coda(model, st, caches, pos_C, rows.take(st.s),
-                                   lambda c, f: serving_rows.read_kv(c, pos_C, f))
-    res = serving_rows.admission(model, st, rows, jnp.minimum(pos_C + 1, t - 1), rng, pick,
-                                 out[:, 0])
+    out, fresh = serving_rows.readout(model, st, rows, rows.take(st.s))
+    pos_C = jnp.minimum(rows.take(st.pos) + 1, t - 1)
+    res = serving_rows.admission(model, st, rows, pos_C, rng, pick, out[:, 0])
     return (rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh),
             *serving_rows.put_admission(rows, res, *args))
   (logits, kv, *out), cap = compaction.on_rows(
       flushed, caps, run, lambda *a: a, st.logits, serving_rows.zero_kv(model, st.s.shape[0]),
       *serving_rows.admit_args(model, st, pick))
-  c = st.counts
-  coda = serving_rows.write_coda(model, st, kv, flushed)
-  st = st._replace(cache=st.cache._replace(coda=coda), logits=logits,
-                   wait=st.wait & ~flushed, unread=st.unread & ~flushed,
-                   counts=c._replace(readout_rows=c.readout_rows + cap))
-  admit = flushed & (st.n < st.depth.shape[1])
+  st, admit = _read_out(model, st, flushed, flushed, logits, kv, cap)
   return serving_rows.admitted(st, admit, st.pos + 1, pick, out, cap)
 
 

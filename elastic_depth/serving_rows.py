@@ -115,13 +115,17 @@ def admission(model: LoopedLM, st: State, rows, pos_C, rng, pick: Pick, logits_C
   return tok_C, jnp.take(st.init, pos_C, axis=0, mode='clip'), model.inject(e_C), fresh, nll_C
 
 
+def _fresh0(model: LoopedLM, blocks, b: int) -> list:
+  """Per block, zero fresh (k, v) [B, 1, G, K] for a pass's results (None: no attention)."""
+  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
+  return [(z, z) if blk.has_attn else None for blk in blocks]
+
+
 def admit_args(model: LoopedLM, st: State, pick: Pick) -> tuple:
   """The admission's full-batch operands: token, state, injection, prelude kv, NLL."""
   b = st.s.shape[0]
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  kv0 = [(z, z) if blk.has_attn else None for blk in model.prelude]
   nll0 = (jnp.zeros((b,)),) if pick.forced else ()
-  return (jnp.zeros((b,), jnp.int32), st.s, st.inj, kv0, *nll0)
+  return (jnp.zeros((b,), jnp.int32), st.s, st.inj, _fresh0(model, model.prelude, b), *nll0)
 
 
 def put_admission(rows, res, tok, s, inj, kv, *nll) -> tuple:
@@ -165,9 +169,12 @@ def coda(model: LoopedLM, st: State, caches, pos_B, x, kv_fn):
   return model.logits(h), [f[0] if f else (z, z) for f in fresh]
 
 
-def take_coda(rows, st: State):
-  """The pass's rows of the coda caches and positions."""
-  return [tuple(rows.take(c) for c in ck) for ck in st.cache.coda], rows.take(st.pos)
+def readout(model: LoopedLM, st: State, rows, x_CxQxD):
+  """Coda + head of the buffer's rows over states x [C, Q, D] at each row's position,
+  reading (not writing) the coda caches: (logits [C, Q, V], fresh coda (k, v))."""
+  pos_C = rows.take(st.pos)
+  caches = [tuple(rows.take(c) for c in ck) for ck in st.cache.coda]
+  return coda(model, st, caches, pos_C, x_CxQxD, lambda c, f: read_kv(c, pos_C, f))
 
 
 def zero_kv(model: LoopedLM, b: int) -> list:
@@ -179,9 +186,7 @@ def zero_kv(model: LoopedLM, b: int) -> list:
 def final(model: LoopedLM, st: State, s_new, need_B, logits, kv, caps):
   """Rows in need_B (exits without a fresh check) read out their final state."""
   def run(rows, logits, kv):
-    caches, pos_C = take_coda(rows, st)
-    out, fresh = coda(model, st, caches, pos_C, rows.take(s_new),
-                       lambda c, f: read_kv(c, pos_C, f))
+    out, fresh = readout(model, st, rows, rows.take(s_new))
     return rows.put(logits, out[:, 0]), jax.tree.map(rows.put, kv, fresh)
   return compaction.on_rows(need_B, caps, run, lambda *a: a, logits, kv)
 
@@ -201,8 +206,6 @@ def core(model: LoopedLM, st: State, act, caps):
     x, fresh = run_cached(lambda f: model.core_step(
         rows.take(st.s), rows.take(st.inj), pos_C[:, None], f, rot(st, pos_C)), caches, pos_C)
     return rows.put(s, x), jax.tree.map(rows.put, kv, fresh)
-  b = act.shape[0]
-  z = jnp.zeros((b, 1, model.cfg.num_kv_heads, model.cfg.head_dim), model.dtype)
-  kv0 = [(z, z) if blk.has_attn else None for blk in model.core]
+  kv0 = _fresh0(model, model.core, act.shape[0])
   (s_new, kv), cap = compaction.on_rows(act, caps, run, lambda *a: a, st.s, kv0)
   return s_new, put_fresh(st.cache.core, st.pos, act, kv), cap
