@@ -278,17 +278,19 @@ def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              temperature: float = 0.0, router=None, with_counts: bool = False,
-             forced_BxN=None):
+             forced_BxN=None, prefill_cfg: ExitConfig | None = None):
   """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new[, nll][, counts]).
 
   forced_BxN: forced decoding: the n_new tokens are these, not picked, and nll_Bxn_new
   (each one's NLL under the logits it follows) comes after the depths.
   with_counts: also the decode steps' Counts stacked over steps, as in `score_cached`
   (batch passes [n_new]; every row runs each step's deepest row's loops).
+  prefill_cfg: the prompt's exit config (default cfg), e.g. a deep prompt and a shallow
+  uniform decode.
   """
   b, p = prompt_BxP.shape
   total = p + n_new
-  cache, logits, _ = prefill(model, prompt_BxP, cfg, rng, total, router)
+  cache, logits, _ = prefill(model, prompt_BxP, prefill_cfg or cfg, rng, total, router)
   init = initial_states(model, rng, total)
   forced = forced_BxN is not None
 

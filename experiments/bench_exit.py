@@ -302,4 +302,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  from experiments import common  # pylint: disable=g-import-not-at-top
+  app.run(common.one_line_errors(main))  # after this module's flags: common skips --workdir

@@ -22,10 +22,21 @@ compacted buckets), beside its time saving (realized / FLOP) and the FLOP saving
 engine that ran each token's own loops with one readout and a free check (own loops):
 prelude, coda and head do not shrink with depth, so that is the most a loop saving can
 buy where time follows FLOPs.
-With --workdir, A1's eps is the most aggressive of --eps_grid whose teacher-forced loss in
-cached semantics (analysis.cached_outputs, the semantics generation runs in) is within
---quality_tol nats of A0's on the validation batches; both losses are reported. Without
-a workdir a random-init shape gives throughput only, labelled "no quality".
+With --workdir, A1's eps is the most aggressive of --eps_grid whose loss is within
+--quality_tol nats of A0's, measured in the semantics of the timed calls: with
+--decode_tokens=forced, forced decoding of every validation window (its first --prompt_len
+tokens prefilled in parallel semantics, the next --new_tokens decoded in cached semantics);
+else teacher forcing in cached semantics (analysis.cached_outputs, token 0 prefilled) on
+the validation batches. Both losses are reported. Without a workdir a random-init shape
+gives throughput only, labelled "no quality".
+The frontier (with --workdir): A1 is also judged against the smallest uniform decode depth
+whose loss (the same measure, the prompt prefilled at A0's depth: the strongest uniform
+baseline, as a shallow prefill costs quality) is within the same tolerance of A0's,
+decoded in the same rounds ('a0_match', lockstep decoding.generate with prefill_cfg A0's)
+when it is below A0's depth; each A1 engine reports its speed against it (`speed_vs_match`,
+`decode_speed_vs_match`: the uniform depth's time over A1's).
+A loop saving against A0 that uniform depth alone reaches at matched quality is not one
+the exits bought.
 --decode_tokens=forced (with --workdir): every engine decodes the validation text that
 follows each prompt instead of its own picks (forced decoding), so the exits are the
 data's, and each engine's loss on those tokens (masked as in training) comes from the very
@@ -45,7 +56,7 @@ from flax import nnx
 
 from elastic_depth import analysis, books, config, decoding, model as model_lib, serving, timing
 from elastic_depth.config import ExitPolicy
-from experiments import bench_util, common
+from experiments import bench_generate_report, bench_util, common
 
 _BATCHES = flags.DEFINE_list('batch_sizes', [], 'Batch sizes of the depth-wise comparison '
                              '(e.g. 1,8,32; empty: the batch-1 shape benchmark).')
@@ -83,8 +94,10 @@ def _masked_loss(nll, mask) -> float:
   return float(np.sum(np.asarray(nll) * mask) / max(np.sum(mask), 1.0))
 
 
-def _cached_loss(mdl, batches, rng, policy, eps, r_max) -> float:
-  """Mean answer-masked loss over batches, cached semantics."""
+def _cached_loss(mdl, batches, rng, policy, eps, r_max, prefill_depth=None) -> float:
+  """Mean answer-masked loss over batches, cached semantics (token 0 prefilled at the
+  policy's depth: prefill_depth is not used)."""
+  del prefill_depth
   run = jax.jit(lambda i, t, e: analysis.cached_outputs(
       mdl, i, t, rng, e, None, policy=policy, min_loops=1, r_max=r_max)[0])
   tot, n = 0.0, 0.0
@@ -95,18 +108,69 @@ def _cached_loss(mdl, batches, rng, policy, eps, r_max) -> float:
   return tot / max(n, 1.0)
 
 
-def _matched(mdl, batches, rng, a0_depth: int, r_max: int) -> dict:
-  """A0's cached loss and the most aggressive eps within --quality_tol of it."""
-  a0 = _cached_loss(mdl, batches, rng, ExitPolicy.UNIFORM, 0.0, a0_depth)
+def _forced_loss(mdl, pool: dict, rng, policy, eps, r_max, prefill_depth=None,
+                 chunk: int = 64) -> float:
+  """Mean answer-masked loss of forced decoding over every validation window of the pool:
+  the prompt prefilled in parallel semantics (at uniform prefill_depth if given, else by
+  the policy), then the text after it decoded in cached semantics (the timed calls' work;
+  lockstep decoding, which equals serving's per row)."""
+  n = pool['forced'].shape[1]
+  cfg = config.ExitConfig(policy=policy, eps=eps, depth=r_max, max_loops=r_max)
+  pcfg = None if prefill_depth is None else config.ExitConfig(policy='uniform',
+                                                             depth=prefill_depth)
+  run = jax.jit(lambda x, f: decoding.generate(mdl, x, n, cfg, rng, forced_BxN=f,
+                                               prefill_cfg=pcfg)[2])
+  rows = pool['prompt'].shape[0]
+  c = min(chunk, rows)
+  idx = np.arange(-(-rows // c) * c)  # the last chunk padded with weightless repeats
+  w = np.where((idx < rows)[:, None], pool['weight'][idx % rows], 0.0)
+  tot = 0.0
+  for i in range(0, len(idx), c):
+    j = idx[i:i + c] % rows
+    nll = run(jnp.asarray(pool['prompt'][j]), jnp.asarray(pool['forced'][j]))
+    tot += float(np.sum(np.asarray(nll, np.float64) * w[i:i + c]))
+  return tot / max(w.sum(), 1.0)
+
+
+def _quality_fn(mdl, batches, pool: dict, rng):
+  """(loss(policy, eps, r_max), what it measures): forced decoding of every validation
+  window where the timed calls decode the text (`_forced_loss`), else cached-semantics
+  teacher forcing of the validation batches (token 0 prefilled)."""
+  if 'forced' in pool:
+    return (functools.partial(_forced_loss, mdl, pool, rng),
+            f'forced decoding of {pool["prompt"].shape[0]} validation windows (prompt '
+            'prefilled in parallel semantics, text decoded in cached semantics)')
+  return (functools.partial(_cached_loss, mdl, batches, rng),
+          'cached-semantics teacher forcing of the validation batches')
+
+
+def _cheapest_uniform(loss, a0_depth: int, a0_loss: float) -> dict:
+  """The smallest uniform decode depth whose loss is within --quality_tol of A0's, the
+  prompt prefilled as A0's: the frontier's baseline (what uniform depth alone buys at
+  matched quality; a deep prompt is its best case)."""
+  tried = {}
+  for d in range(1, a0_depth):
+    tried[d] = loss(ExitPolicy.UNIFORM, 0.0, d, prefill_depth=a0_depth)
+    print(f'quality: uniform depth {d} loss {tried[d]:.4f} (A0 {a0_loss:.4f})', flush=True)
+    if tried[d] <= a0_loss + _TOL.value:
+      return dict(match_depth=d, match_loss=tried[d], uniform_tried=tried)
+  return dict(match_depth=a0_depth, match_loss=a0_loss, uniform_tried=tried)
+
+
+def _matched(loss, a0_depth: int, r_max: int) -> dict:
+  """A0's loss, the most aggressive eps within --quality_tol of it, and the cheapest
+  uniform depth within the same tolerance (loss: `_quality_fn`'s)."""
+  a0 = loss(ExitPolicy.UNIFORM, 0.0, a0_depth)
   tried = {}
   grid = _EPS_GRID.value or _GRIDS[_POLICY.value]
   for eps in sorted((float(e) for e in grid), reverse=True):
-    tried[eps] = _cached_loss(mdl, batches, rng, ExitPolicy(_POLICY.value), eps, r_max)
+    tried[eps] = loss(ExitPolicy(_POLICY.value), eps, r_max)
     print(f'quality: eps {eps:.0e} loss {tried[eps]:.4f} (A0 {a0:.4f})', flush=True)
     if tried[eps] <= a0 + _TOL.value:
-      return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=True, tried=tried)
-  eps = min(tried)
-  return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=False, tried=tried)
+      break
+  eps = eps if tried[eps] <= a0 + _TOL.value else min(tried)
+  return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=tried[eps] <= a0 + _TOL.value,
+              tried=tried, tol=_TOL.value, **_cheapest_uniform(loss, a0_depth, a0))
 
 
 def _val_pool(data, p: int, n: int) -> dict:
@@ -138,7 +202,8 @@ def _setup(calibrate):
             'leave the task after the first answer; --decode_tokens=forced decodes the '
             'task\'s text instead', flush=True)
     rng = jax.random.key(_F.seed)
-    q = _matched(mdl, loaded.batches, rng, a0_depth, r_max)
+    loss, on = _quality_fn(mdl, loaded.batches, pool, rng)
+    q = dict(_matched(loss, a0_depth, r_max), quality_on=on)
     return mdl, pool, a0_depth, r_max, q, f'{_F.workdir} step {loaded.step}'
   if _DECODE.value == 'forced':
     raise SystemExit('error: --decode_tokens=forced needs --workdir (it feeds validation text)')
@@ -247,9 +312,11 @@ def _flop_fields(row: dict, counts: dict, mcfg, cache_len: int, a0=None) -> dict
   return row
 
 
-def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) -> dict:
+def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
+                match_depth: int | None = None) -> dict:
   """A0, A1 depth-wise (compacted, waiting, all-rows) and A1 lockstep at batch b (medians);
-  forced decoding where the pool has the tokens after each prompt (`_val_pool`)."""
+  forced decoding where the pool has the tokens after each prompt (`_val_pool`); with a
+  match_depth below A0's, uniform depth match_depth too ('a0_match', `_vs_match`)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
   rows_of = lambda x: jnp.asarray(np.resize(x, (b, x.shape[1])))
   prompts = rows_of(pool['prompt'])
@@ -262,9 +329,15 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) 
                                                                with_counts=True, forced_BxN=f))
   served = lambda **kw: jax.jit(lambda p, f: serving.generate(mdl, p, n, a1_cfg, rng,
                                                               forced_BxN=f, **kw))
-  fns = {'a0': counted(a0_cfg), 'a1_depthwise': served(),
+  fns = {'a0': counted(a0_cfg)}
+  match = match_depth is not None and match_depth < a0_depth
+  if match:  # the prompt prefilled as A0's (`_cheapest_uniform`)
+    match_cfg = config.ExitConfig(policy='uniform', depth=match_depth)
+    fns['a0_match'] = jax.jit(lambda p, f: decoding.generate(
+        mdl, p, n, match_cfg, rng, with_counts=True, forced_BxN=f, prefill_cfg=a0_cfg))
+  fns.update({'a1_depthwise': served(),
          'a1_waiting': served(wait_rows=_WAIT.value or b), 'a1_allrows': served(compact=False),
-         'a1_lockstep': counted(a1_cfg)}  # lockstep returns its counts (a few ints per step)
+         'a1_lockstep': counted(a1_cfg)})  # lockstep returns its counts (a few ints per step)
   pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
   calls = {k: functools.partial(f, prompts, forced) for k, f in fns.items()}
   calls.update({f'prefill:{k}': functools.partial(f, prompts, forced) for k, f in pre.items()})
@@ -275,7 +348,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) 
     is_served = isinstance(out, serving.Generation)
     depth, nll, _ = _outputs(out, forced is not None)
     pdepth = out.prompt_depth if is_served else None
-    pk = 'a1_depthwise' if is_served else key
+    pk = 'a1_depthwise' if is_served else 'a0' if key == 'a0_match' else key
     if pdepth is None:
       pdepth = pre[pk](prompts, forced)[0]
     a0 = rows.get('a0')  # None while timing A0 itself
@@ -283,7 +356,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) 
     rows[key]['min_s'] = min(times[key])
     rows[key].update(bench_util.usage_fields(timed.usage[key], per_call=False))
     _phase_fields(rows[key], times[key], times[f'prefill:{pk}'], b * n, pdepth, a0)
-    _flop_fields(rows[key], _per_token_counts(out, b, n, key != 'a0'), mdl.cfg,
+    _flop_fields(rows[key], _per_token_counts(out, b, n, key.startswith('a1_')), mdl.cfg,
                  _F.prompt_len + n, a0)
     if forced is not None:  # forced decoding: the loss of these very calls
       w = np.resize(pool['weight'], (b, n))
@@ -300,84 +373,19 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float) 
           f'  prefill {rows[key]["prefill_s"] * 1e3:.2f} ms  kernel '
           f'{rows[key]["sys_s_median"]:.3f} s, {rows[key]["minor_faults_median"]:.0f} faults '
           f'per call', flush=True)
+  return _vs_match(rows, 'a0_match' if match else 'a0')
+
+
+def _vs_match(rows: dict, key: str) -> dict:
+  """Each A1 engine's speed against the cheapest matched uniform depth (rows[key]): its
+  time over A1's, end to end and in the decode phase (> 1: A1 is faster)."""
+  u = rows[key]
+  for k, r in rows.items():
+    if k.startswith('a1_'):
+      r['speed_vs_match'] = u['seconds'] / r['seconds']
+      ok = u['decode_s'] is not None and r['decode_s'] is not None
+      r['decode_speed_vs_match'] = u['decode_s'] / r['decode_s'] if ok else None
   return rows
-
-
-def _markdown(doc: dict) -> str:
-  q = doc['quality']
-  lines = [f'# bench_generate --batch_sizes ({doc["date"]}, {doc["model"]})', '',
-           f'machine: {doc["machine"]}; load average {doc["loadavg"]}', '',
-           (f'quality (cached semantics, val): A0 {q["a0_loss"]:.4f}, A1 ({q["policy"]}) '
-            f'{q["a1_loss"]:.4f} at '
-            f'eps {q["eps"]:.0e} (matched: {q["matched"]})' if 'a0_loss' in q
-            else f'no quality (random init), eps {q["eps"]:.2e}'), '',
-           '| B | A0 tok/s | A1 depth-wise tok/s (all-rows) | A1 lockstep tok/s | '
-           'loops A0 / A1 | loop saving | time saving (all-rows) | realized / loop (all-rows) |',
-           '|' + '---|' * 8]
-  ratio = lambda r: '-' if r['realized_over_loop'] is None else f'{r["realized_over_loop"]:.2f}'
-  for b, r in doc['batches'].items():
-    a0, a1, al, ls = r['a0'], r['a1_depthwise'], r['a1_allrows'], r['a1_lockstep']
-    lines.append(f'| {b} | {a0["tokens_per_s"]:.0f} | {a1["tokens_per_s"]:.0f} '
-                 f'({al["tokens_per_s"]:.0f}) | {ls["tokens_per_s"]:.0f} | '
-                 f'{a0["mean_loops"]:.2f} / {a1["mean_loops"]:.2f} | {a1["loop_saving"]:.1%} | '
-                 f'{a1["time_saving"]:.1%} ({al["time_saving"]:.1%}) | {ratio(a1)} ({ratio(al)}) |')
-  return '\n'.join(lines + _forced_markdown(doc) + _phase_markdown(doc)
-                   + _flop_markdown(doc)) + '\n'
-
-
-def _forced_markdown(doc: dict) -> list:
-  """Forced decoding: each engine's loss on the fed validation tokens, from the timed calls."""
-  if doc.get('decode_tokens') != 'forced':
-    return []
-  keys = ('a0', 'a1_depthwise', 'a1_waiting', 'a1_lockstep')
-  lines = ['', 'Forced decoding: every engine decodes the validation text after its prompt; '
-           'loss on those tokens (masked as in training), from the timed calls.', '',
-           '| B | tokens scored | loss A0 / depth-wise / waiting / lockstep | A1 - A0 |',
-           '|' + '---|' * 4]
-  for b, r in doc['batches'].items():
-    losses_ = [r[k]['forced_loss'] for k in keys]
-    lines.append(f'| {b} | {r["a0"]["forced_tokens"]:.0f} | '
-                 + ' / '.join(f'{x:.4f}' for x in losses_) + f' | {losses_[1] - losses_[0]:+.4f} |')
-  return lines
-
-
-def _phase_markdown(doc: dict) -> list:
-  """The decode phase (call - prefill, paired per round), the prefill, and end to end."""
-  f = lambda x, fmt='.2f': '-' if x is None else format(x, fmt)
-  lines = ['', f'Per phase (A1 prefill engine: {doc.get("prefill_engine")}; waiting: '
-           f'depth-wise with wait_rows {doc.get("wait_rows") or "B"}); end to end: the loop '
-           'saving over prompt + generated tokens.', '',
-           '| B | decode tok/s A0 / depth-wise / waiting / lockstep | decode realized / loop: '
-           'depth-wise; waiting; lockstep | prefill ms A0 / depth-wise / lockstep (prompt loops '
-           'A0 / A1) | end-to-end realized / loop (all tokens): depth-wise; waiting; lockstep |',
-           '|' + '---|' * 5]
-  for b, r in doc['batches'].items():
-    a0, a1, wt, ls = r['a0'], r['a1_depthwise'], r['a1_waiting'], r['a1_lockstep']
-    tok = ' / '.join(f(x['decode_tokens_per_s'], '.0f') for x in (a0, a1, wt, ls))
-    dec = '; '.join(f(x['decode_realized_over_loop']) for x in (a1, wt, ls))
-    e2e = '; '.join(f(x['realized_over_loop_all_tokens']) for x in (a1, wt, ls))
-    lines.append(
-        f'| {b} | {tok} | {dec} | {a0["prefill_s"] * 1e3:.2f} / '
-        f'{a1["prefill_s"] * 1e3:.2f} / {ls["prefill_s"] * 1e3:.2f} '
-        f'({a0["prompt_mean_loops"]:.2f} / {a1["prompt_mean_loops"]:.2f}) | {e2e} |')
-  return lines
-
-
-def _flop_markdown(doc: dict) -> list:
-  """The decode phase's FLOP books: saving as executed, realized / FLOP, the own-loops bound."""
-  f = lambda x, fmt='.2f': '-' if x is None else format(x, fmt)
-  lines = ['', 'Decode phase, FLOPs as executed (books.decode_flops of each engine\'s counts); '
-           'own loops: an engine that ran each token\'s own loops, one readout, a free check.',
-           '', '| B | GFLOP / token A0 | FLOP saving: depth-wise; waiting; lockstep | realized '
-           '/ FLOP: depth-wise; waiting; lockstep | own-loops FLOP saving / loop saving |',
-           '|' + '---|' * 5]
-  for b, r in doc['batches'].items():
-    v = [r[k] for k in ('a1_depthwise', 'a1_waiting', 'a1_lockstep')]
-    lines.append(f'| {b} | {r["a0"]["decode_flops"] / 1e9:.5f} | '
-                 + '; '.join(f(x['decode_flop_saving'], '.1%') for x in v) + ' | '
-                 + '; '.join(f(x['decode_realized_over_flops']) for x in v)
-                 + f' | {f(v[2]["own_loops_over_loop"])} |')
-  return lines
 
 
 def main(calibrate) -> None:
@@ -401,10 +409,12 @@ def main(calibrate) -> None:
              prefill_engine=_PREFILL_ENGINE.value.value,
              prefill_compact_steps=_PREFILL_STEPS.value, wait_rows=_WAIT.value,
              decode_tokens=_DECODE.value,
-             batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps']) for b in sizes})
+             match_key='a0_match' if q.get('match_depth', a0_depth) < a0_depth else 'a0',
+             batches={b: bench_batch(mdl, pool, b, a0_depth, r_max, q['eps'],
+                                     q.get('match_depth')) for b in sizes})
   doc['loadavg_end'] = os.getloadavg()
   out = _F.out if _F.out != 'runs/bench_generate.json' else 'runs/bench_generate_batch.json'
   bench_util.write_json(out, doc)
   with open(out[:-len('.json')] + '.md', 'w', encoding='utf-8') as f:
-    f.write(_markdown(doc))
-  print(_markdown(doc) + f'wrote {out}')
+    f.write(bench_generate_report.markdown(doc))
+  print(bench_generate_report.markdown(doc) + f'wrote {out}')

@@ -220,15 +220,27 @@ def main(run: Callable[..., Any], experiment_options: Optional[Callable[[], Any]
   def _main(argv):
     if len(argv) > 1:
       raise SystemExit(f'error: unexpected arguments {argv[1:]}')
-    from elastic_depth import checkpoint, data as data_lib  # pylint: disable=g-import-not-at-top
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    opts = options_from_flags()
+    if experiment_options is None:
+      run(opts)
+    else:
+      run(opts, experiment_options())
+  return one_line_errors(_main)
+
+
+def setup_errors() -> tuple:
+  """What a bad flag, workdir, checkpoint or corpus raises before the expensive work."""
+  from elastic_depth import checkpoint, data as data_lib  # pylint: disable=g-import-not-at-top
+  return (SetupError, ConfigError, checkpoint.CheckpointError, data_lib.DataError)
+
+
+def one_line_errors(main_fn: Callable) -> Callable:
+  """An absl main whose setup errors print one line, 'error: ...', and exit 2."""
+  def _main(argv):
     try:
-      opts = options_from_flags()
-      if experiment_options is None:
-        run(opts)
-      else:
-        run(opts, experiment_options())
-    except (SetupError, ConfigError, checkpoint.CheckpointError, data_lib.DataError) as e:
+      return main_fn(argv)
+    except setup_errors() as e:
       print(f'error: {e}', file=sys.stderr)
       sys.exit(2)
   return _main

@@ -278,3 +278,18 @@ def test_profile_train_reads_gpu_kernels_from_stream_lines(monkeypatch):
   gpu.lines.pop()  # nor an XLA Ops line (the H200's CUDA-graph trace): the kernel names
   ops, kernels, _ = profile_train.device_op_times('unused')
   assert ops == kernels == {'nvjet_a': 17, 'loop_add_fusion': 5}
+
+
+@pytest.mark.parametrize('module,extra', [('bench_generate', ['--batch_sizes=2']),
+                                          ('bench_exit', [])])
+def test_benchmarks_name_a_missing_workdir_in_one_line(tmp_path, module, extra):
+  """A workdir that does not exist: 'error: ...' naming it and exit 2, no traceback, nothing
+  written."""
+  missing = tmp_path / 'nowhere'
+  out = tmp_path / 'out.json'
+  proc = subprocess.run([sys.executable, '-m', f'experiments.{module}', f'--workdir={missing}',
+                         f'--out={out}', *extra], cwd=REPO, capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [f"error: workdir '{missing}' does not exist"]
+  assert not out.exists() and not missing.exists()

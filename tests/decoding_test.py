@@ -217,6 +217,29 @@ def test_forced_decoding_equals_cached_scoring_with_float64_nll():
   np.testing.assert_allclose(np.asarray(nll), nll_np(logits, toks[:, 4:]), rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_cfg_prefills_the_prompt_with_its_own_depth():
+  """generate(cfg, prefill_cfg=...): the prompt in parallel semantics at prefill_cfg's depth,
+  every new token decoded at cfg's; against a Python loop of decode_step after prefill
+  (float64 NLL), and unlike the prompt prefilled at cfg's depth."""
+  mdl, rng, prompts, _ = _two_rows()
+  deep, shallow = (config.ExitConfig(policy='uniform', depth=d) for d in (6, 2))
+  forced = jax.random.randint(jax.random.key(4), (2, 5), 0, mdl.cfg.vocab_size)
+  gen = lambda pc: jax.jit(lambda p, f: decoding.generate(mdl, p, 5, shallow, rng,
+                                                          forced_BxN=f, prefill_cfg=pc))
+  _, depth, nll = gen(deep)(prompts, forced)
+  cache, logits, _ = decoding.prefill(mdl, prompts, deep, rng, 9)
+  init = decoding.initial_states(mdl, rng, 9)
+  ref = []
+  for j in range(5):
+    ref.append(nll_np(logits[:, None], np.asarray(forced)[:, j:j + 1])[:, 0])
+    logits, cache, d = decoding.decode_step(mdl, cache, forced[:, j], 4 + j, shallow, rng,
+                                            init_table=init)
+    assert np.all(np.asarray(d) == 2) and np.all(np.asarray(depth)[:, j] == 2)
+  np.testing.assert_allclose(np.asarray(nll), np.stack(ref, 1), rtol=1e-5, atol=1e-5)
+  _, _, nll_shallow = gen(shallow)(prompts, forced)
+  assert np.abs(np.asarray(nll_shallow) - np.asarray(nll)).max() > 1e-3
+
+
 def test_forcing_the_greedy_tokens_reproduces_greedy_generation():
   mdl, rng, prompts, cfg = _two_rows()
   toks, depth = jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng))(prompts)

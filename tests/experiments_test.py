@@ -208,7 +208,8 @@ def test_bench_generate_forced_decoding_reports_the_timed_calls_loss(workdir, tm
   out = tmp_path / 'forced.json'
   cmd = [sys.executable, '-m', 'experiments.bench_generate', '--batch_sizes=2',
          f'--workdir={workdir}', '--batches=1', '--new_tokens=4', '--prompt_len=4',
-         '--repeats=1', '--exit_policy=state_delta', '--decode_tokens=forced', f'--out={out}']
+         '--repeats=1', '--exit_policy=state_delta', '--decode_tokens=forced', f'--out={out}',
+         '--quality_tol=0.2']  # wide enough that a uniform depth below A0's matches
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads(out.read_text())
@@ -225,6 +226,41 @@ def test_bench_generate_forced_decoding_reports_the_timed_calls_loss(workdir, tm
   nll = nll_np(logits, toks[:, 4:])
   assert rows['a0']['forced_loss'] == pytest.approx((nll * w).sum() / w.sum(), rel=1e-4)
   assert rows['a0']['forced_tokens'] == w.sum() > 0
+  # quality in the timed calls' semantics: forced decoding of every validation window (the
+  # 4-token prompt prefilled, then a Python loop of decode_step; float64 NLL here), for A0,
+  # A1's eps and the frontier's baseline: the smallest uniform decode depth within
+  # --quality_tol of A0, its prompt prefilled at A0's depth
+  q = doc['quality']
+  every = np.concatenate([np.asarray(b['inputs']) for b in val])[:, :8]
+  w_all = np.concatenate([np.asarray(b['mask'], np.float64) for b in val])[:, 3:7]
+  key = jax.random.key(0)
+
+  def forced_loss(cfg, prefill_cfg=None, rows=None):
+    t, w_ = every[:rows], w_all[:rows]
+    cache, logits, _ = decoding.prefill(loaded.model, jnp.asarray(t[:, :4]),
+                                        prefill_cfg or cfg, key, 8)
+    init, tot = decoding.initial_states(loaded.model, key, 8), 0.0
+    for j in range(4):
+      tot += (nll_np(logits[:, None], t[:, 4 + j:5 + j])[:, 0] * w_[:, j]).sum()
+      logits, cache, _ = decoding.decode_step(loaded.model, cache, jnp.asarray(t[:, 4 + j]),
+                                              4 + j, cfg, key, init_table=init)
+    return tot / w_.sum()
+  uni = lambda d: config_lib.ExitConfig(policy='uniform', depth=d)
+  a0_depth = doc['a0_depth']
+  ref = {d: forced_loss(uni(d), uni(a0_depth)) for d in range(1, a0_depth + 1)}
+  want = min(d for d in ref if ref[d] <= ref[a0_depth] + q['tol'])
+  assert q['match_depth'] == want and q['match_loss'] == pytest.approx(ref[want], rel=1e-4)
+  assert q['a0_loss'] == pytest.approx(ref[a0_depth], rel=1e-4)
+  a1 = config_lib.ExitConfig(policy='state_delta', eps=q['eps'], max_loops=doc['r_max'])
+  assert q['a1_loss'] == pytest.approx(forced_loss(a1), rel=1e-4)
+  assert q['quality_on'].startswith(f'forced decoding of {len(every)} validation windows')
+  assert want < a0_depth and doc['match_key'] == 'a0_match'  # timed beside the others
+  assert rows['a0_match']['forced_loss'] == pytest.approx(
+      forced_loss(uni(want), uni(a0_depth), rows=2), rel=1e-4)
+  u = rows[doc['match_key']]
+  assert u['mean_loops'] == want and 'The frontier' in (tmp_path / 'forced.md').read_text()
+  for k in ('a1_depthwise', 'a1_waiting', 'a1_lockstep'):
+    assert rows[k]['speed_vs_match'] == pytest.approx(u['seconds'] / rows[k]['seconds'])
   bad = subprocess.run(cmd[:4] + ['--serve_shape=nano', '--decode_tokens=forced'], cwd=REPO,
                        capture_output=True, text=True, timeout=120, check=False)
   assert bad.returncode != 0 and 'needs --workdir' in bad.stderr
