@@ -54,9 +54,8 @@ import numpy as np
 from absl import flags, logging
 from flax import nnx
 
-from elastic_depth import analysis, books, config, decoding, model as model_lib, serving, timing
-from elastic_depth.config import ExitPolicy
-from experiments import bench_generate_report, bench_util, common
+from elastic_depth import books, config, decoding, model as model_lib, serving, timing
+from experiments import bench_generate_quality, bench_generate_report, bench_util, common
 
 _BATCHES = flags.DEFINE_list('batch_sizes', [], 'Batch sizes of the depth-wise comparison '
                              '(e.g. 1,8,32; empty: the batch-1 shape benchmark).')
@@ -90,89 +89,6 @@ def requested() -> bool:
   return bool(_BATCHES.value)
 
 
-def _masked_loss(nll, mask) -> float:
-  return float(np.sum(np.asarray(nll) * mask) / max(np.sum(mask), 1.0))
-
-
-def _cached_loss(mdl, batches, rng, policy, eps, r_max, prefill_depth=None) -> float:
-  """Mean answer-masked loss over batches, cached semantics (token 0 prefilled at the
-  policy's depth: prefill_depth is not used)."""
-  del prefill_depth
-  run = jax.jit(lambda i, t, e: analysis.cached_outputs(
-      mdl, i, t, rng, e, None, policy=policy, min_loops=1, r_max=r_max)[0])
-  tot, n = 0.0, 0.0
-  for b in batches:
-    m = np.asarray(b['mask'], np.float64)
-    tot += _masked_loss(run(b['inputs'], b['targets'], jnp.float32(eps)), m) * m.sum()
-    n += m.sum()
-  return tot / max(n, 1.0)
-
-
-def _forced_loss(mdl, pool: dict, rng, policy, eps, r_max, prefill_depth=None,
-                 chunk: int = 64) -> float:
-  """Mean answer-masked loss of forced decoding over every validation window of the pool:
-  the prompt prefilled in parallel semantics (at uniform prefill_depth if given, else by
-  the policy), then the text after it decoded in cached semantics (the timed calls' work;
-  lockstep decoding, which equals serving's per row)."""
-  n = pool['forced'].shape[1]
-  cfg = config.ExitConfig(policy=policy, eps=eps, depth=r_max, max_loops=r_max)
-  pcfg = None if prefill_depth is None else config.ExitConfig(policy='uniform',
-                                                             depth=prefill_depth)
-  run = jax.jit(lambda x, f: decoding.generate(mdl, x, n, cfg, rng, forced_BxN=f,
-                                               prefill_cfg=pcfg)[2])
-  rows = pool['prompt'].shape[0]
-  c = min(chunk, rows)
-  idx = np.arange(-(-rows // c) * c)  # the last chunk padded with weightless repeats
-  w = np.where((idx < rows)[:, None], pool['weight'][idx % rows], 0.0)
-  tot = 0.0
-  for i in range(0, len(idx), c):
-    j = idx[i:i + c] % rows
-    nll = run(jnp.asarray(pool['prompt'][j]), jnp.asarray(pool['forced'][j]))
-    tot += float(np.sum(np.asarray(nll, np.float64) * w[i:i + c]))
-  return tot / max(w.sum(), 1.0)
-
-
-def _quality_fn(mdl, batches, pool: dict, rng):
-  """(loss(policy, eps, r_max), what it measures): forced decoding of every validation
-  window where the timed calls decode the text (`_forced_loss`), else cached-semantics
-  teacher forcing of the validation batches (token 0 prefilled)."""
-  if 'forced' in pool:
-    return (functools.partial(_forced_loss, mdl, pool, rng),
-            f'forced decoding of {pool["prompt"].shape[0]} validation windows (prompt '
-            'prefilled in parallel semantics, text decoded in cached semantics)')
-  return (functools.partial(_cached_loss, mdl, batches, rng),
-          'cached-semantics teacher forcing of the validation batches')
-
-
-def _cheapest_uniform(loss, a0_depth: int, a0_loss: float) -> dict:
-  """The smallest uniform decode depth whose loss is within --quality_tol of A0's, the
-  prompt prefilled as A0's: the frontier's baseline (what uniform depth alone buys at
-  matched quality; a deep prompt is its best case)."""
-  tried = {}
-  for d in range(1, a0_depth):
-    tried[d] = loss(ExitPolicy.UNIFORM, 0.0, d, prefill_depth=a0_depth)
-    print(f'quality: uniform depth {d} loss {tried[d]:.4f} (A0 {a0_loss:.4f})', flush=True)
-    if tried[d] <= a0_loss + _TOL.value:
-      return dict(match_depth=d, match_loss=tried[d], uniform_tried=tried)
-  return dict(match_depth=a0_depth, match_loss=a0_loss, uniform_tried=tried)
-
-
-def _matched(loss, a0_depth: int, r_max: int) -> dict:
-  """A0's loss, the most aggressive eps within --quality_tol of it, and the cheapest
-  uniform depth within the same tolerance (loss: `_quality_fn`'s)."""
-  a0 = loss(ExitPolicy.UNIFORM, 0.0, a0_depth)
-  tried = {}
-  grid = _EPS_GRID.value or _GRIDS[_POLICY.value]
-  for eps in sorted((float(e) for e in grid), reverse=True):
-    tried[eps] = loss(ExitPolicy(_POLICY.value), eps, r_max)
-    print(f'quality: eps {eps:.0e} loss {tried[eps]:.4f} (A0 {a0:.4f})', flush=True)
-    if tried[eps] <= a0 + _TOL.value:
-      break
-  eps = eps if tried[eps] <= a0 + _TOL.value else min(tried)
-  return dict(a0_loss=a0, a1_loss=tried[eps], eps=eps, matched=tried[eps] <= a0 + _TOL.value,
-              tried=tried, tol=_TOL.value, **_cheapest_uniform(loss, a0_depth, a0))
-
-
 def _val_pool(data, p: int, n: int) -> dict:
   """Validation windows: prompts [N, P], and for forced decoding the next n tokens and
   their loss weights (the mask of the targets they are)."""
@@ -202,8 +118,10 @@ def _setup(calibrate):
             'leave the task after the first answer; --decode_tokens=forced decodes the '
             'task\'s text instead', flush=True)
     rng = jax.random.key(_F.seed)
-    loss, on = _quality_fn(mdl, loaded.batches, pool, rng)
-    q = dict(_matched(loss, a0_depth, r_max), quality_on=on)
+    loss, on = bench_generate_quality.quality_fn(mdl, loaded.batches, pool, rng)
+    grid = _EPS_GRID.value or _GRIDS[_POLICY.value]
+    q = dict(bench_generate_quality.matched(loss, a0_depth, r_max, _POLICY.value, grid,
+                                            _TOL.value), quality_on=on)
     return mdl, pool, a0_depth, r_max, q, f'{_F.workdir} step {loaded.step}'
   if _DECODE.value == 'forced':
     raise SystemExit('error: --decode_tokens=forced needs --workdir (it feeds validation text)')
@@ -331,7 +249,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
                                                               forced_BxN=f, **kw))
   fns = {'a0': counted(a0_cfg)}
   match = match_depth is not None and match_depth < a0_depth
-  if match:  # the prompt prefilled as A0's (`_cheapest_uniform`)
+  if match:  # the prompt prefilled as A0's (`bench_generate_quality.cheapest_uniform`)
     match_cfg = config.ExitConfig(policy='uniform', depth=match_depth)
     fns['a0_match'] = jax.jit(lambda p, f: decoding.generate(
         mdl, p, n, match_cfg, rng, with_counts=True, forced_BxN=f, prefill_cfg=a0_cfg))
