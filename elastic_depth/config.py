@@ -139,13 +139,13 @@ class DataConfig:
   max_docs: int = 0          # documents per part (paths, val_paths, split); 0: all
   seed: int = 0
   # synthetic generator (see elastic_depth/data/synthetic.py)
-  synth_task: str = 'compose'  # compose (k permutations in order) | chain | binding (k-hop lookup)
+  synth_task: str = 'compose'  # compose (k permutations in order) | chain | digit_last | binding
   loss_on: str = 'all'         # all | answers (synthetic: only targets with difficulty > 0)
   synth_examples: int = 4000
   synth_max_hops: int = 6
   synth_num_vars: int = 16
-  synth_num_ops: int = 4       # compose, chain: fixed digit permutations (op symbols)
-  synth_curriculum: int = 0    # compose, chain: training windows per curriculum stage; stage j
+  synth_num_ops: int = 4       # compose, chain, digit_last: fixed digit permutations (op symbols)
+  synth_curriculum: int = 0    # op tasks: training windows per curriculum stage; stage j
                                # draws k from 1..min(2 + j, synth_max_hops) (0: no curriculum)
 
 

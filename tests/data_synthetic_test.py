@@ -131,6 +131,33 @@ def test_chain_answers_and_difficulty_by_brute_force():
   assert set(ks) == set(range(1, 6))
 
 
+def test_digit_last_answers_and_difficulty_by_brute_force():
+  """digit_last: each segment's ops come before the digit they apply to, and the answer is
+  that digit under the ops in order (no op position can know a value)."""
+  train, val, vocab = synthetic.load(300, 5, 16, seed=2, val_fraction=0.2, task='digit_last',
+                                     num_ops=6)
+  tables = synthetic.op_tables(6)
+  ks = []
+  for ids, diff in zip(train.ids + val.ids, train.difficulty + val.difficulty):
+    toks, ops, start = vocab.decode(ids).split(), [], None
+    for t, d in zip(toks, diff):
+      if t in tables:  # an op: pending until the segment's digits
+        assert start is None and d == -1
+        ops.append(t)
+      elif start is None:  # the start digit, a random draw, after its ops
+        assert ops and d == -1
+        start = int(t)
+      else:  # the answer: the pending ops applied in order to the start digit
+        x = start
+        for o in ops:
+          x = dict(enumerate(tables[o].tolist()))[x]
+        assert t == str(x) and d == len(ops)
+        ks.append(len(ops))
+        ops, start = [], None
+    assert not ops and start is None and len(ks) % synthetic.CHAIN_SEGMENTS == 0
+  assert set(ks) == set(range(1, 6))
+
+
 def test_unknown_task_is_a_clear_error():
   with pytest.raises(DataError, match='synth_task'):
     synthetic.load(10, 2, 4, seed=0, val_fraction=0.1, task='nope')

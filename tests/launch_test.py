@@ -104,6 +104,19 @@ def test_tiny_mean8_d256_differs_from_tiny_mean8_only_in_its_width():
   assert (cfg.depth, cfg.train, cfg.data) == (base.depth, base.train, base.data)
 
 
+def test_tiny_digit_last_differs_from_tiny_mean8_in_its_task_only():
+  """launch/tiny_digit_last.flags: the mean-8 job on the digit_last task (k <= 3, 1,500
+  steps)."""
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8.flags")}'])
+  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_digit_last.flags")}'])
+  d = cfg.data
+  assert (d.synth_task, d.synth_max_hops, cfg.train.steps) == ('digit_last', 3, 1500)
+  assert dataclasses.replace(d, synth_task=base.data.synth_task,
+                             synth_max_hops=base.data.synth_max_hops) == base.data
+  assert dataclasses.replace(cfg.train, steps=base.train.steps) == base.train
+  assert (cfg.model, cfg.depth) == (base.model, base.depth)
+
+
 def test_nested_flagfile_is_expanded_in_place(tmp_path):
   inner = tmp_path / 'inner.flags'
   inner.write_text('--config.model.d_model=48\n--config.depth.mean=3\n')

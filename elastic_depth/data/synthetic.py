@@ -194,7 +194,34 @@ def chain_program(rng: np.random.Generator, max_hops: int, num_vars: int,
   return tokens, difficulty
 
 
-TASKS = {'binding': program, 'compose': compose_program, 'chain': chain_program}
+def digit_last_program(rng: np.random.Generator, max_hops: int, num_vars: int,
+                       num_ops: int = 4) -> tuple[list[str], list[int]]:
+  """`o1 .. ok d v o1 .. d v ...`: CHAIN_SEGMENTS segments of k ~ U{1..max_hops} ops, then a
+  random start digit d, then v = ok(...o1(d)).
+
+  The ops come before the digit they apply to, so no op position can hold a value: the
+  digit's own position has to apply the k ops (difficulty k) when decoding one token at
+  a time as in parallel scoring, unlike chain, where every op position holds the running
+  value and a decoded token needs one lookup on top of it. Same op tables as compose.
+  """
+  tables = op_tables(min(num_ops, num_vars))
+  ops = list(tables)
+  tokens, difficulty = [], []
+  for _ in range(CHAIN_SEGMENTS):
+    k = int(rng.integers(1, max_hops + 1))
+    seq = [ops[int(i)] for i in rng.integers(len(ops), size=k)]
+    start = int(rng.integers(10))
+    x = start
+    for o in seq:
+      x = int(tables[o][x])
+    tokens += seq + [DIGITS[start], DIGITS[x]]
+    difficulty += [RANDOM] * (k + 1) + [k]
+  return tokens, difficulty
+
+
+TASKS = {'binding': program, 'compose': compose_program, 'chain': chain_program,
+         'digit_last': digit_last_program}
+_OP_TASKS = ('compose', 'chain', 'digit_last')  # tasks over the fixed op permutations
 
 
 def generate(num_examples: int, max_hops: int, num_vars: int, seed: int,
@@ -231,9 +258,10 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
     seed: random seed; the same seed gives the same programs.
     val_fraction: validation programs = max(1, round(num_examples * val_fraction)).
     task: 'binding' (k-hop variable lookup), 'compose' (k fixed permutations applied
-      in order) or 'chain' (segments of k permutations continuing from the previous
-      answer); validation excludes training programs only for 'binding'.
-    num_ops: compose and chain: how many fixed permutations (op symbols, at most num_vars).
+      in order), 'chain' (segments of k permutations continuing from the previous
+      answer) or 'digit_last' (segments of k permutations, then the digit they apply to);
+      validation excludes training programs only for 'binding'.
+    num_ops: the op tasks: how many fixed permutations (op symbols, at most num_vars).
 
   Returns:
     (train, val, vocab); each Split holds int32 ids [T_i] and difficulty [T_i] per program.
@@ -241,7 +269,7 @@ def load(num_examples: int, max_hops: int, num_vars: int, seed: int,
   if task not in TASKS:
     raise DataError(f'data.synth_task={task!r} not in {sorted(TASKS)}')
   vocab = SyntheticVocab(num_vars)
-  if task in ('compose', 'chain') and not 1 <= num_ops <= num_vars:
+  if task in _OP_TASKS and not 1 <= num_ops <= num_vars:
     raise DataError(f'data.synth_num_ops={num_ops} must be in [1, synth_num_vars={num_vars}]')
   train = generate(num_examples, max_hops, num_vars, seed, TRAIN_STREAM, task=task,
                    num_ops=num_ops)
