@@ -243,16 +243,15 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
   a1_cfg = config.ExitConfig(policy=_POLICY.value, eps=eps, max_loops=r_max,
                              engine=_PREFILL_ENGINE.value,
                              compact_steps=_PREFILL_STEPS.value)
-  counted = lambda cfg: jax.jit(lambda p, f: decoding.generate(mdl, p, n, cfg, rng,
-                                                               with_counts=True, forced_BxN=f))
+  counted = lambda cfg, pre=None: jax.jit(lambda p, f: decoding.generate(
+      mdl, p, n, cfg, rng, with_counts=True, forced_BxN=f, prefill_cfg=pre))
   served = lambda **kw: jax.jit(lambda p, f: serving.generate(mdl, p, n, a1_cfg, rng,
                                                               forced_BxN=f, **kw))
   fns = {'a0': counted(a0_cfg)}
   match = match_depth is not None and match_depth < a0_depth
   if match:  # the prompt prefilled as A0's (`bench_generate_quality.cheapest_uniform`)
     match_cfg = config.ExitConfig(policy='uniform', depth=match_depth)
-    fns['a0_match'] = jax.jit(lambda p, f: decoding.generate(
-        mdl, p, n, match_cfg, rng, with_counts=True, forced_BxN=f, prefill_cfg=a0_cfg))
+    fns['a0_match'] = counted(match_cfg, a0_cfg)
   fns.update({'a1_depthwise': served(),
          'a1_waiting': served(wait_rows=_WAIT.value or b), 'a1_allrows': served(compact=False),
          'a1_lockstep': counted(a1_cfg)})  # lockstep returns its counts (a few ints per step)

@@ -147,6 +147,13 @@ def op_tables(num_ops: int) -> dict[str, np.ndarray]:
   return {VAR_NAMES[j]: rng.permutation(10) for j in range(num_ops)}
 
 
+def _apply_ops(tables: dict[str, np.ndarray], seq: list[str], x: int) -> int:
+  """Digit x under the ops of seq, applied in order."""
+  for o in seq:
+    x = int(tables[o][x])
+  return x
+
+
 def compose_program(rng: np.random.Generator, max_hops: int, num_vars: int,
                     num_ops: int = 4) -> tuple[list[str], list[int]]:
   """`? d o1 o2 .. ok = v .`: v = ok(...o1(d)), k ~ U{1..max_hops} ops from num_ops
@@ -160,9 +167,7 @@ def compose_program(rng: np.random.Generator, max_hops: int, num_vars: int,
   k = int(rng.integers(1, max_hops + 1))
   start = int(rng.integers(10))
   seq = [ops[int(i)] for i in rng.integers(len(ops), size=k)]
-  x = start
-  for o in seq:
-    x = int(tables[o][x])
+  x = _apply_ops(tables, seq, start)
   tokens = ['?', DIGITS[start]] + seq + ['=', DIGITS[x], '.']
   difficulty = [FORMAT, RANDOM] + [RANDOM] * k + [RANDOM, k, FORMAT]
   return tokens, difficulty
@@ -211,10 +216,7 @@ def digit_last_program(rng: np.random.Generator, max_hops: int, num_vars: int,
     k = int(rng.integers(1, max_hops + 1))
     seq = [ops[int(i)] for i in rng.integers(len(ops), size=k)]
     start = int(rng.integers(10))
-    x = start
-    for o in seq:
-      x = int(tables[o][x])
-    tokens += seq + [DIGITS[start], DIGITS[x]]
+    tokens += seq + [DIGITS[start], DIGITS[_apply_ops(tables, seq, start)]]
     difficulty += [RANDOM] * (k + 1) + [k]
   return tokens, difficulty
 
