@@ -117,7 +117,7 @@ def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
                mask_only: bool = False):
   """Per-token nll, argmax, depth [G, N, L] at every eps, and the same at full depth r_max.
 
-  Batch k uses keys[k] for its initial state (pass the keys analysis.sweep uses); with
+  Batch k uses keys[k] for its initial state (pass the keys frontier.sweep uses); with
   mask_only, only the batch's scored (mask) tokens may exit.
   """
   out = []

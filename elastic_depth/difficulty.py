@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from scipy import stats
 
-from elastic_depth import analysis, calibrate
+from elastic_depth import analysis, calibrate, frontier
 
 
 def _by_k(values_NxL: np.ndarray, diff_NxL: np.ndarray, sel_NxL: np.ndarray,
@@ -78,10 +78,10 @@ def report(model, batches: Sequence[Mapping[str, Any]], rng: jax.Array, r_max: i
     raise ValueError('the batches carry no difficulty labels (synthetic corpus only)')
   grid = list(eps_grid or analysis.default_grid())
   trace = analysis.trace_batches(model, batches, r_max, rng, progress)
-  sweep = analysis.sweep(model, batches, rng, r_max, ref_depth, eps_grid=grid, delta=delta,
+  sweep = frontier.sweep(model, batches, rng, r_max, ref_depth, eps_grid=grid, delta=delta,
                          trace=trace, progress=progress, timing_repeats=0, extra_curves={
-                             'kl_answers': analysis.Curve('kl', grid, mask_only=True),
-                             'confidence_answers': analysis.Curve(
+                             'kl_answers': frontier.Curve('kl', grid, mask_only=True),
+                             'confidence_answers': frontier.Curve(
                                  'confidence', analysis.CONFIDENCE_GRID,
                                  mask_only=True)})
   diff, sel = trace.difficulty, (trace.mask > 0) & (trace.difficulty > 0)

@@ -1,4 +1,4 @@
-"""Wall-clock timing shared by `analysis.wall_clock` and the benchmarks (experiments/)."""
+"""Wall-clock timing shared by `frontier.wall_clock` and the benchmarks (experiments/)."""
 
 import os
 import time

@@ -45,7 +45,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from elastic_depth import analysis, books, config, inference, model as model_lib, recurrence, timing
+from elastic_depth import analysis, books, config, frontier, inference, recurrence, timing
+from elastic_depth import model as model_lib
 from experiments import bench_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
@@ -209,9 +210,9 @@ def matched_eps(mdl, batches, depth: int, policy: str, grid, tol: float = 0.01) 
   """The most aggressive threshold whose loss is within tol of A0 at depth (A1 capped at
   depth, parallel semantics, the same batches): {'eps', 'a0_loss', 'loss', 'mean_loops'}."""
   rng = jax.random.key(0)
-  run = lambda c: analysis.policy_curve(mdl, batches, rng, c, depth)
-  a0 = run(analysis.Curve('uniform', [0.0]))['loss'][0]
-  cur = run(analysis.Curve(policy, list(grid)))
+  run = lambda c: frontier.policy_curve(mdl, batches, rng, c, depth)
+  a0 = run(frontier.Curve('uniform', [0.0]))['loss'][0]
+  cur = run(frontier.Curve(policy, list(grid)))
   ok = [i for i, x in enumerate(cur['loss']) if x <= a0 + tol]
   if not ok:
     raise SystemExit(f'error: no {policy} threshold in {list(grid)} is within {tol} nats '

@@ -20,7 +20,7 @@ from typing import Optional
 import jax
 from absl import app, flags
 
-from elastic_depth import analysis, books, reports
+from elastic_depth import books, frontier, reports
 from elastic_depth import router as router_lib
 from elastic_depth.config import Semantics
 from experiments import common, flags_util
@@ -142,7 +142,7 @@ def _calibrated(opts: common.Options) -> dict:
     return {}
   with open(path, encoding='utf-8') as f:
     eps = json.load(f)['results']['eps']
-  return {} if eps is None else {'calibrated': analysis.Curve('kl', [eps])}
+  return {} if eps is None else {'calibrated': frontier.Curve('kl', [eps])}
 
 
 def _operating(g) -> str:
@@ -165,7 +165,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   ld = common.load(opts)
   probe = _router(opts, ld) if x.router else None
   extra = _calibrated(opts) if x.calibrated else {}
-  res = analysis.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
+  res = frontier.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
                        router=probe, router_grid=x.router_grid, semantics=x.semantics,

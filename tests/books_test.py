@@ -8,7 +8,7 @@ from flax import nnx
 
 from conftest import exit_model_config
 
-from elastic_depth import analysis, books, config, decoding
+from elastic_depth import books, config, decoding, frontier
 from elastic_depth import model as model_lib
 
 
@@ -121,7 +121,7 @@ def test_sweep_books_from_the_engines_counts():
   batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
                   targets=rs.integers(0, 48, (B, L)).astype(np.int32),
                   mask=np.ones((B, L), np.float32)) for _ in range(2)]
-  res = analysis.sweep(mdl, batches, jax.random.key(5), R, 4.0, eps_grid=[0.0, 1e9],
+  res = frontier.sweep(mdl, batches, jax.random.key(5), R, 4.0, eps_grid=[0.0, 1e9],
                        curves=('kl', 'state_delta'), state_delta_grid=[0.0, 1e9],
                        timing_repeats=0, check_every=(1, 3))
   bk = res['check_books']
@@ -151,7 +151,7 @@ def test_sweep_min_loops_curves_and_their_family():
   batches = [dict(inputs=rs.integers(0, 48, (B, L)).astype(np.int32),
                   targets=rs.integers(0, 48, (B, L)).astype(np.int32),
                   mask=np.ones((B, L), np.float32))]
-  res = analysis.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=[0.0, 1e9],
+  res = frontier.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=[0.0, 1e9],
                        curves=('kl', 'state_delta'), state_delta_grid=[0.0, 1e9],
                        timing_repeats=0, min_loops=(1, 3), patience=(1, 2))
   c = res['curves']
@@ -179,7 +179,7 @@ def test_sweep_eps_growth_curves_and_their_family():
                   targets=rs.integers(0, 48, (B, L)).astype(np.int32),
                   mask=np.ones((B, L), np.float32))]
   grid = [0.0, 1e-30, 1e9]
-  res = analysis.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=grid,
+  res = frontier.sweep(mdl, batches, jax.random.key(5), 4, 3.0, eps_grid=grid,
                        curves=('kl', 'state_delta'), state_delta_grid=grid,
                        timing_repeats=0, eps_growth=(1.0, 1e35))
   c = res['curves']

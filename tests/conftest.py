@@ -112,6 +112,24 @@ def median_kl_cfg(mdl, toks, rng, max_loops: int) -> config_lib.ExitConfig:
                                max_loops=max_loops)
 
 
+def traced_setup(r_max: int, length: int, batch: int = 2):
+  """A random exit model, two masked batches of random tokens, a key and their trace."""
+  from flax import nnx
+  from elastic_depth import analysis
+  from elastic_depth import model as model_lib
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
+  rs = np.random.default_rng(0)
+  batches = []
+  for _ in range(2):
+    mask = (rs.random((batch, length)) > 0.25).astype(np.float32)
+    mask[:, 0] = 1
+    batches.append(dict(inputs=rs.integers(0, 48, (batch, length)).astype(np.int32),
+                        targets=rs.integers(0, 48, (batch, length)).astype(np.int32), mask=mask,
+                        difficulty=rs.integers(-1, 4, (batch, length)).astype(np.int32)))
+  rng = jax.random.key(5)
+  return mdl, batches, rng, analysis.trace_batches(mdl, batches, r_max, rng)
+
+
 def built_once(tmp_path_factory, worker_id: str, name: str, build) -> str:
   """A workdir built once per session and shared by the xdist workers (file lock).
 

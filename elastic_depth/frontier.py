@@ -1,0 +1,243 @@
+"""Exit-policy frontiers on a frozen looped LM: A0 and policy curves, the sweep, wall clock.
+
+Every curve is scored with the same fixed key as `analysis.trace_batches` (a token's
+initial state depends on its position only), in fp32 with 'highest' matmul precision,
+and reduced on the host in float64 over the masked tokens; FLOPs are as executed
+(`books.executed_flops` of the engine's counters).
+"""
+
+import functools
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elastic_depth import books, policies, timing
+from elastic_depth import model as model_lib
+from elastic_depth.analysis import (CONFIDENCE_GRID, RUNS, Trace, bar, batch_key, check_fp32,
+                                    default_grid, elasticity, masked_mean, trace_batches)
+from elastic_depth.config import ExitPolicy, Semantics
+
+
+class Curve(NamedTuple):
+  """An exit-policy curve: one scored run per threshold."""
+  policy: str
+  thresholds: Sequence[float]
+  router: Optional[policies.Router] = None
+  min_loops: int = 1
+  semantics: Semantics = Semantics.PARALLEL
+  gate: float = 0.0  # gated_kl's state-change gate
+  mask_only: bool = False  # only scored (mask) tokens may exit; the others run R loops
+  check_every: int = 1  # checks at min_loops + k * check_every only
+  patience: int = 1  # state_delta: consecutive loops below the threshold before an exit
+  eps_growth: float = 1.0  # the threshold at loop i is eps * eps_growth^(i - 2)
+
+
+def uniform_curve(trace: Trace, mcfg) -> dict:
+  """A0 at every depth 1..R from the trace: loss, mean loops and FLOPs/token."""
+  e = elasticity(trace)
+  seq_len = trace.inputs.shape[1]
+  return {'policy': 'uniform', 'threshold': e['depths'],
+          'mean_loops': [float(d) for d in e['depths']],
+          'loss': e['loss'],
+          # the trace ran the masked engine: its core attention multiplies all L keys
+          'flops': [float(books.executed_flops(mcfg, d, 1, 1, seq_len, seq_len))
+                    for d in e['depths']]}
+
+
+def cached_uniform_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+                         rng: jax.Array, r_max: int, progress: bool = False) -> dict:
+  """A0 at every depth 1..R in cached semantics (decode_step per token): what a cached
+  curve's frontier is judged against."""
+  runs = [policy_curve(model, batches, rng, Curve('uniform', [0.0],
+                                                  semantics=Semantics.CACHED), d)
+          for d in bar(list(range(1, r_max + 1)), 'A0 cached', progress)]
+  return {'policy': 'uniform', 'threshold': list(range(1, r_max + 1)),
+          **{k: [r[k][0] for r in runs] for k in ('mean_loops', 'loss', 'flops')}}
+
+
+def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+                 rng: jax.Array, curve: Curve, r_max: int, progress: bool = False) -> dict:
+  """Scores the batches at every threshold of the curve, in the curve's semantics.
+
+  The threshold is a traced argument: one compilation per policy (and batch shape).
+  FLOPs are as executed (`executed_flops` of the engine's counts): 'flops' is what
+  the engine ran per position (parallel: every position runs the batch's deepest
+  token's loops and every check's readout; cached: each decode step runs its deepest
+  row's loops for every row); 'flops_active' is the work of active tokens only (loops,
+  readouts and head products while active, plus the final readout), i.e. what an
+  engine running active tokens only would execute. Cached counts cover positions
+  1..L-1 (position 0 is prefilled).
+  """
+  check_fp32(model)
+  policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
+  run = functools.partial(RUNS[Semantics(curve.semantics)], policy=policy,
+                          min_loops=min_loops, r_max=r_max, gate=float(curve.gate),
+                          mask_only=curve.mask_only, check_every=curve.check_every,
+                          patience=curve.patience, eps_growth=curve.eps_growth)
+  seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
+  out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
+                         'mean_core_passes', 'mean_readouts', 'mean_heads',
+                         'mean_loops_counted', 'share_max_depth')}
+  mask = np.concatenate([np.asarray(b['mask'], np.float32) for b in batches])
+  with jax.default_matmul_precision('highest'):
+    for eps in bar(list(curve.thresholds), f'sweep {policy.value}', progress):
+      nll, counts = [], []
+      for k, b in enumerate(batches):
+        n, c = jax.device_get(run(
+            model, jnp.asarray(b['inputs'], jnp.int32),
+            jnp.asarray(b['targets'], jnp.int32), batch_key(rng, k), jnp.float32(eps),
+            curve.router, jnp.asarray(b['mask'], jnp.float32)))
+        nll.append(n)
+        counts.append(c)
+      cat = lambda name: np.concatenate([getattr(c, name) for c in counts])
+      # batch passes broadcast to the positions they ran for (the last t of each row)
+      per_pos = lambda name: np.concatenate([np.broadcast_to(
+          np.asarray(getattr(c, name), np.float64), c.coda.shape) for c in counts])
+      nll, depth = np.concatenate(nll), cat('depth')
+      t = counts[0].coda.shape[1]
+      ones = np.ones_like(mask[:, -t:])  # the engine runs every position, padding included
+      out['threshold'].append(float(eps))
+      out['mean_loops'].append(masked_mean(depth, mask))
+      out['loss'].append(masked_mean(nll, mask))
+      keys = per_pos('core_keys')  # the engine's executed keys per core query
+      out['flops'].append(masked_mean(books.executed_flops(
+          model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),
+          seq_len, keys), ones))
+      out['flops_active'].append(masked_mean(books.executed_flops(
+          model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len, keys), mask[:, -t:]))
+      out['mean_core_passes'].append(masked_mean(per_pos('core_passes'), ones))
+      out['mean_readouts'].append(masked_mean(cat('coda'), mask[:, -t:]))
+      out['mean_heads'].append(masked_mean(cat('head'), mask[:, -t:]))
+      out['mean_loops_counted'].append(masked_mean(depth[:, -t:], mask[:, -t:]))
+      out['share_max_depth'].append(masked_mean(depth == r_max, mask))
+  out['policy'] = policy
+  return out
+
+
+def _grids(curves: Sequence[str], eps_grid, state_delta_grid) -> dict:
+  """Each built-in curve's thresholds; ValueError on an unknown curve."""
+  eps_grid = default_grid() if eps_grid is None else list(eps_grid)
+  grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
+           'confidence': CONFIDENCE_GRID,
+           'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
+  for c in curves:
+    if c not in grids:
+      raise ValueError(f'unknown curve {c!r}; built-in curves: {sorted(grids)}')
+  return grids
+
+
+def _variants(specs: dict, sems, *, check_every, min_loops, patience, eps_growth) -> dict:
+  """The curves again per schedule variant (/pat, /g, /min, /every), then per semantics."""
+  specs = dict(specs)
+  specs.update({f'{n}/pat{k}': c._replace(patience=int(k)) for k in patience if int(k) > 1
+                for n, c in list(specs.items()) if c.policy == 'state_delta'})
+  specs.update({f'{n}/g{g:g}': c._replace(eps_growth=float(g)) for g in eps_growth
+                if float(g) != 1.0 for n, c in list(specs.items())
+                if c.policy != 'uniform'})
+  specs.update({f'{n}/min{m}': c._replace(min_loops=int(m))
+                for m in min_loops if int(m) > 1 for n, c in list(specs.items())})
+  specs.update({f'{n}/every{k}': c._replace(check_every=int(k))
+                for k in check_every if int(k) > 1 for n, c in list(specs.items())})
+  return {(n if sem == Semantics.PARALLEL else f'{n}@{sem.value}'): c._replace(semantics=sem)
+          for sem in sems for n, c in specs.items()}
+
+
+def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: jax.Array,
+          r_max: int, ref_depth: float, *, eps_grid: Optional[Sequence[float]] = None,
+          delta: float = books.DEFAULT_DELTA, curves: Sequence[str] = ('kl',),
+          state_delta_grid: Optional[Sequence[float]] = None,
+          router: Optional[policies.Router] = None,
+          router_grid: Optional[Sequence[float]] = None,
+          extra_curves: Optional[Mapping[str, Curve]] = None,
+          semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
+          trace: Optional[Trace] = None, timing_repeats: int = 3,
+          check_every: Sequence[int] = (1,), min_loops: Sequence[int] = (1,),
+          patience: Sequence[int] = (1,), eps_growth: Sequence[float] = (1.0,),
+          progress: bool = False) -> dict:
+  """A0 at depths 1..R and exit-policy curves, each with its headline against A0.
+
+  Args:
+    model, batches, rng, r_max: as in trace_batches (the same keys are used).
+    ref_depth: training-mean depth (the A0 reference).
+    eps_grid: thresholds of the KL curves (default: default_grid()).
+    delta: loss tolerance of the headline, nats/token.
+    curves: built-in curves among 'kl' (A1), 'gated_kl', 'reverse_kl', 'state_delta',
+      'confidence' (1 - max_v p_i(v) < eps, thresholds 1e-4..0.5).
+    state_delta_grid: thresholds of 'state_delta' (default 1e-4..1).
+    router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
+    extra_curves: {name: Curve} scored the same way (e.g. later probes).
+    semantics: Semantics values; every curve is scored in each ('cached' curves are
+      named '<curve>@cached' and judged against A0 in cached semantics, 'a0_cached').
+    gate: gated_kl's gate (default: the median relative state change at loop 2).
+    trace: a precomputed trace of the same batches and rng (else computed here).
+    timing_repeats: the best point of each curve is timed against A0 at ref_depth
+      (`wall_clock`, medians of this many interleaved runs; 0: not timed).
+    check_every: for each k > 1, every curve again with checks every k loops
+      (named '<curve>/every<k>').
+    min_loops: for each m > 1, every curve again with no exit before loop m (named
+      '<curve>/min<m>'); the books then also judge each check over all its min_loops
+      (`books.check_books`: '<curve>/min*').
+    patience: for each k > 1, every state_delta curve again exiting only after k
+      consecutive loops below its threshold (named '<curve>/pat<k>').
+    eps_growth: for each g != 1, every curve again with its threshold at loop i
+      eps * g^(i - 2) (named '<curve>/g<g>'; the books also judge each check over all
+      its growths: '<curve>/g*').
+    progress: tqdm bars.
+  """
+  sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
+  grids = _grids(curves, eps_grid, state_delta_grid)
+  if trace is None:
+    trace = trace_batches(model, batches, r_max, rng, progress)
+  if gate is None:
+    gate = float(np.median(trace.stats['delta'][min(1, r_max - 1)][trace.mask > 0]))
+  specs = {c: Curve(c, grids[c], gate=gate) for c in curves}
+  if router is not None:
+    specs['router'] = Curve('router', router_grid or [float(x) for x in
+                                                      np.linspace(0.05, 0.95, 10)], router)
+  specs.update(extra_curves or {})
+  specs = _variants(specs, sems, check_every=check_every, min_loops=min_loops,
+                    patience=patience, eps_growth=eps_growth)
+  a0 = uniform_curve(trace, model.cfg)
+  out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta), 'gate': gate,
+         'tokens': int((trace.mask > 0).sum()), 'a0': a0, 'curves': {}, 'headline': {}}
+  if Semantics.CACHED in sems:
+    out['a0_cached'] = cached_uniform_curve(model, batches, rng, r_max, progress)
+  for name, spec in specs.items():
+    pts = policy_curve(model, batches, rng, spec, r_max, progress)
+    out['curves'][name] = pts
+    ref = out['a0_cached'] if Semantics(spec.semantics) == Semantics.CACHED else a0
+    out['headline'][name] = h = books.headline(ref, pts, ref_depth, delta)
+    if h['best'] is not None and timing_repeats > 0:
+      h['best']['wall_clock'] = wall_clock(model, batches, rng, spec, h['best']['threshold'],
+                                           ref_depth, r_max, timing_repeats)
+  out['check_books'] = books.check_books(out, model.cfg, int(trace.inputs.shape[1]))
+  return out
+
+
+def wall_clock(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
+               rng: jax.Array, curve: Curve, threshold: float, ref_depth: float,
+               r_max: int, repeats: int = 3) -> dict:
+  """Median seconds to score the batches: the curve's policy at threshold against A0 at
+  the reference depth, in the curve's semantics and engine, interleaved in one run."""
+  run = RUNS[Semantics(curve.semantics)]
+  depth = max(1, int(round(ref_depth)))
+  fns = {'policy': functools.partial(run, policy=ExitPolicy(curve.policy),
+                                     min_loops=curve.min_loops, r_max=r_max,
+                                     gate=float(curve.gate), mask_only=curve.mask_only,
+                                     check_every=curve.check_every, patience=curve.patience,
+                                     eps_growth=curve.eps_growth),
+         'a0': functools.partial(run, policy=ExitPolicy.UNIFORM, min_loops=1, r_max=depth)}
+  eps = {'policy': jnp.float32(threshold), 'a0': jnp.float32(0.0)}
+
+  def once(name):
+    for k, b in enumerate(batches):
+      jax.block_until_ready(fns[name](
+          model, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
+          batch_key(rng, k), eps[name], curve.router, jnp.asarray(b['mask'], jnp.float32)))
+  with jax.default_matmul_precision('highest'):  # one warm-up round compiles
+    t = timing.interleaved({k: functools.partial(once, k) for k in fns}, repeats)
+  med = {k: float(np.median(v)) for k, v in t.times.items()}
+  return {'a0_depth': depth, 'a0_s': med['a0'], 'policy_s': med['policy'],
+          'saving': 1.0 - med['policy'] / med['a0'], 'repeats': repeats}
