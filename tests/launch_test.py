@@ -117,6 +117,20 @@ def test_tiny_digit_last_differs_from_tiny_mean8_in_its_task_only():
   assert (cfg.model, cfg.depth) == (base.model, base.depth)
 
 
+def test_tiny_digit_last_k5_differs_from_tiny_digit_last_in_its_data_and_length():
+  """launch/tiny_digit_last_k5.flags: k <= 5, 60,000 programs, 12,000 steps."""
+  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_digit_last.flags")}'])
+  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_digit_last_k5.flags")}'])
+  d, t = cfg.data, cfg.train
+  assert (d.synth_max_hops, d.synth_examples, d.synth_curriculum) == (5, 60000, 16000)
+  assert (t.steps, t.eval_every, t.ckpt_every) == (12000, 2000, 2000)
+  assert dataclasses.replace(d, synth_max_hops=3, synth_examples=base.data.synth_examples,
+                             synth_curriculum=base.data.synth_curriculum) == base.data
+  assert dataclasses.replace(t, steps=1500, eval_every=base.train.eval_every,
+                             ckpt_every=base.train.ckpt_every) == base.train
+  assert (cfg.model, cfg.depth) == (base.model, base.depth)
+
+
 def test_nested_flagfile_is_expanded_in_place(tmp_path):
   inner = tmp_path / 'inner.flags'
   inner.write_text('--config.model.d_model=48\n--config.depth.mean=3\n')
