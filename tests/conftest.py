@@ -17,8 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from elastic_depth import analysis
 from elastic_depth import config as config_lib
 from elastic_depth import inference
+from elastic_depth import model as model_lib
 
 
 def tiny_model_config(**overrides) -> config_lib.ModelConfig:
@@ -114,9 +118,6 @@ def median_kl_cfg(mdl, toks, rng, max_loops: int) -> config_lib.ExitConfig:
 
 def traced_setup(r_max: int, length: int, batch: int = 2):
   """A random exit model, two masked batches of random tokens, a key and their trace."""
-  from flax import nnx
-  from elastic_depth import analysis
-  from elastic_depth import model as model_lib
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
   rs = np.random.default_rng(0)
   batches = []

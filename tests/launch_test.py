@@ -23,6 +23,11 @@ def parse(argv):
     return flags_util.parse_config(argv)
 
 
+def launch(name: str):
+  """The Config of launch/<name>, parsed as pretrain does."""
+  return parse(['prog', f'--flagfile={os.path.join(REPO, "launch", name)}'])
+
+
 def test_there_are_launch_files():
   names = {os.path.basename(f) for f in FILES}
   assert {'tiny.flags', '135m.flags', '135m_mean4.flags', 'tinystories_cpu.flags',
@@ -55,8 +60,8 @@ def test_flagfile_parses_validates_and_builds(path):
 
 def test_135m_h200_is_the_base_file_without_remat_and_unrolled():
   """launch/135m_h200.flags: the paper's run with the step measured fastest on an H200."""
-  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m.flags")}'])
-  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m_h200.flags")}'])
+  base = launch('135m.flags')
+  cfg = launch('135m_h200.flags')
   assert (base.depth.remat, base.depth.unroll, base.train.loss_chunk) == (True, 1, 4096)
   assert (cfg.depth.remat, cfg.depth.unroll) == (False, 8)
   assert dataclasses.replace(cfg.depth, remat=True, unroll=1) == base.depth
@@ -64,7 +69,7 @@ def test_135m_h200_is_the_base_file_without_remat_and_unrolled():
 
 
 def test_135m_mean4_is_the_base_file_plus_one_line():
-  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "135m.flags")}'])
+  base = launch('135m.flags')
   path = os.path.join(REPO, 'launch', '135m_mean4.flags')
   lines = [l for l in open(path, encoding='utf-8').read().splitlines() if l.startswith('--')]
   assert lines == ['--flagfile=launch/135m.flags', '--config.depth.mean=4']
@@ -83,8 +88,8 @@ def test_mean4_twin_differs_from_its_base_only_in_the_mean_depth(path):
 
 def test_tiny_mean8_differs_from_the_main_job_only_in_its_depths():
   """launch/tiny_mean8.flags: the main job at training mean 8 (its loops reach r_max 16)."""
-  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny.flags")}'])
-  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8.flags")}'])
+  base = launch('tiny.flags')
+  cfg = launch('tiny_mean8.flags')
   assert (cfg.depth.mean, cfg.depth.r_max, max(cfg.depth.buckets)) == (8.0, 16, 16)
   assert max(cfg.train.eval_depths) == 16
   assert dataclasses.replace(cfg.depth, mean=base.depth.mean, r_max=base.depth.r_max,
@@ -95,8 +100,8 @@ def test_tiny_mean8_differs_from_the_main_job_only_in_its_depths():
 
 def test_tiny_mean8_d256_differs_from_tiny_mean8_only_in_its_width():
   """launch/tiny_mean8_d256.flags: the mean-8 chain job with d_model 256 (heads of dim 64)."""
-  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8.flags")}'])
-  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8_d256.flags")}'])
+  base = launch('tiny_mean8.flags')
+  cfg = launch('tiny_mean8_d256.flags')
   m = cfg.model
   assert (m.d_model, m.num_heads * m.head_dim, m.mlp_dim) == (256, 256, 512)
   assert dataclasses.replace(m, d_model=base.model.d_model, head_dim=base.model.head_dim,
@@ -107,8 +112,8 @@ def test_tiny_mean8_d256_differs_from_tiny_mean8_only_in_its_width():
 def test_tiny_digit_last_differs_from_tiny_mean8_in_its_task_only():
   """launch/tiny_digit_last.flags: the mean-8 job on the digit_last task (k <= 3, 1,500
   steps)."""
-  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_mean8.flags")}'])
-  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_digit_last.flags")}'])
+  base = launch('tiny_mean8.flags')
+  cfg = launch('tiny_digit_last.flags')
   d = cfg.data
   assert (d.synth_task, d.synth_max_hops, cfg.train.steps) == ('digit_last', 3, 1500)
   assert dataclasses.replace(d, synth_task=base.data.synth_task,
@@ -119,8 +124,8 @@ def test_tiny_digit_last_differs_from_tiny_mean8_in_its_task_only():
 
 def test_tiny_digit_last_k5_differs_from_tiny_digit_last_in_its_data_and_length():
   """launch/tiny_digit_last_k5.flags: k <= 5, 60,000 programs, 12,000 steps."""
-  base = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_digit_last.flags")}'])
-  cfg = parse(['prog', f'--flagfile={os.path.join(REPO, "launch", "tiny_digit_last_k5.flags")}'])
+  base = launch('tiny_digit_last.flags')
+  cfg = launch('tiny_digit_last_k5.flags')
   d, t = cfg.data, cfg.train
   assert (d.synth_max_hops, d.synth_examples, d.synth_curriculum) == (5, 60000, 16000)
   assert (t.steps, t.eval_every, t.ckpt_every) == (12000, 2000, 2000)
