@@ -40,33 +40,14 @@ def cmd(workdir, *extra):
   return [sys.executable, '-m', 'experiments.pretrain', f'--workdir={workdir}', *TINY, *extra]
 
 
-def env():
-  """The JAX persistent compilation cache shared by this session's runs (speed only: the
-  same program either way)."""
-  return dict(os.environ, **CACHE)
-
-
-CACHE = {}
-
-
-@pytest.fixture(scope='session', autouse=True)
-def _compilation_cache(tmp_path_factory, worker_id):
-  root = tmp_path_factory.getbasetemp()
-  if worker_id != 'master':
-    root = root.parent
-  CACHE.update(JAX_COMPILATION_CACHE_DIR=str(root / 'jax_cache'),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-
-
 def run(workdir, *extra, timeout=240):
   return subprocess.run(cmd(workdir, *extra), cwd=REPO, capture_output=True, text=True,
-                        timeout=timeout, check=False, env=env())
+                        timeout=timeout, check=False)
 
 
 def start(workdir, *extra):
   return subprocess.Popen(cmd(workdir, *extra), cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=env())
+                          stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(pred, proc, timeout=240, what=''):
@@ -264,7 +245,7 @@ runpy.run_module('experiments.pretrain', run_name='__main__')
 def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
   wd = str(tmp_path / 'run')
   out = subprocess.run([sys.executable, '-c', DISK_FULL] + cmd(wd)[3:], cwd=REPO,
-                       capture_output=True, text=True, timeout=240, check=False, env=env())
+                       capture_output=True, text=True, timeout=240, check=False)
   assert out.returncode == 2, out.stderr[-3000:]
   assert 'Traceback' not in out.stderr
   msg = out.stderr.strip().splitlines()[-1]
