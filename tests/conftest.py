@@ -13,24 +13,29 @@ import shutil
 import tempfile
 
 
-def _share_compilations() -> None:
-  """One JAX persistent compilation cache for the whole test run: both xdist workers and
-  every subprocess they start (an experiment main) reuse each other's executables (speed
-  only: a hit returns the executable the compiler would build). Set before jax is imported,
-  so the in-process tests read it too; a cache the user configured is left alone."""
-  run = os.environ.get('PYTEST_XDIST_TESTRUNUID') or f'pid{os.getpid()}'
-  os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
-                        os.path.join(tempfile.gettempdir(), 'elastic_depth_test_jax_cache', run))
+def _share_compilations() -> str:
+  """One JAX persistent compilation cache for the whole test run: both xdist workers (they
+  inherit the controller's environment) and every subprocess they start (an experiment
+  main) reuse each other's executables (speed only: a hit returns the executable the
+  compiler would build). Set before jax is imported, so the in-process tests read it too;
+  a cache the user configured is left alone. Returns the folder this process created
+  ('' if none), which `pytest_sessionfinish` removes."""
+  created = ''
+  if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+    created = tempfile.mkdtemp(prefix='elastic_depth_test_jax_cache_')
+    os.environ['JAX_COMPILATION_CACHE_DIR'] = created
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
   # the suite is compile-bound (tiny shapes): LLVM at -O0 compiles ~30% faster; the
   # programs compute the same values (XLA's HLO passes still run; only the LLVM backend
   # optimizes less). Timings are benchmarks' business, never the tests'.
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+  flag = '--xla_backend_optimization_level=0'
+  if flag not in os.environ.get('XLA_FLAGS', ''):  # xdist workers inherit the controller's
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + flag).strip()
+  return created
 
 
-_share_compilations()
+_CREATED_CACHE = _share_compilations()
 
 import filelock  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -248,3 +253,11 @@ def pytest_collection_modifyitems(items):
   """Moves the LONGEST_FIRST tests to the front (stable otherwise)."""
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda it: rank.get(it.originalname, len(rank)))
+
+
+def pytest_sessionfinish(session):
+  """The process that created the run's compilation cache (the xdist controller, or the
+  only process) removes it."""
+  del session
+  if _CREATED_CACHE:
+    shutil.rmtree(_CREATED_CACHE, ignore_errors=True)
