@@ -235,8 +235,8 @@ def _cpu_float32_matmuls():
     yield
 
 
-# The longest tests (2-core CI, 2026-12-06) start first, so that neither xdist worker is left
-# running one of them while the other idles at the end.
+# The longest tests (an idle 2-core box, 2026-12-05) start first, so that neither xdist
+# worker is left running one of them while the other idles at the end.
 LONGEST_FIRST = (
     'test_bench_generate_forced_decoding_reports_the_timed_calls_loss',
     'test_exit_depth_rises_with_k_and_depth_is_used_by_the_hard_answers',
