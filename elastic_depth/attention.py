@@ -1,7 +1,8 @@
 """Rotary position embedding and full-sequence causal attention (no parameters).
 
 `attention_fn(impl)` is the causal attention of a `config.AttentionImpl`: the chunked,
-kv-group-major one (`causal_attention`, fastest on XLA:CPU), XLA's, or cuDNN's flash
+kv-group-major one (`causal_attention`, fastest on XLA:CPU, with a flash-style backward
+whose residuals carry checkpoint names for the remat policies), XLA's, or cuDNN's flash
 attention; AUTO picks by backend, dtype and head dim (`auto_attention_impl`).
 `grouped_attention` is the chunked kernel's core, shared with the compacted scorer
 (`compaction.compact_attention`) and cached decoding; `masked_attention` is one chunk
@@ -10,9 +11,11 @@ partial buffers); `attention_plus` is the same over a cache and fresh keys kept 
 serving engine's passes, which read their caches without writing them).
 """
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from elastic_depth.config import AttentionImpl
@@ -135,20 +138,114 @@ def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_Bx
   return o_BxGxRxQxK.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
 
 
+ATTN_OUT, ATTN_LSE = 'attn_out', 'attn_lse'  # causal_attention's residuals (checkpoint names)
+ROTATED_QK = 'rotated_qk'  # the model's rotated queries/keys (checkpoint name)
+
+
+def _group_major(x_BxLxHxK, g: int) -> jax.Array:
+  """[B, L, H, K] -> [B, G, R, L, K]: the R = H / G query heads of each kv head."""
+  b, l, h, kd = x_BxLxHxK.shape
+  return x_BxLxHxK.reshape(b, l, g, h // g, kd).transpose(0, 2, 3, 1, 4)
+
+
+def _chunk_scores(qs_BxGxRxLxK, k_BxGxSxK, i: int, w: int):
+  """Chunk i of w scaled queries as [B, G, R w, K], its fp32 scores over the keys
+  [:(i + 1) w] (unmasked) and the causal mask [R w, (i + 1) w]."""
+  b, g, rep, _, kd = qs_BxGxRxLxK.shape
+  end = (i + 1) * w
+  q_BxGxQxK = qs_BxGxRxLxK[:, :, :, i * w:end].reshape(b, g, rep * w, kd)
+  s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
+                         preferred_element_type=jnp.float32)
+  see_QxS = jnp.tile((jnp.arange(w)[:, None] + i * w) >= jnp.arange(end)[None], (rep, 1))
+  return q_BxGxQxK, s_BxGxQxS, see_QxS
+
+
+def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
+  """Per query chunk: the output [B, G, R w, K], normalized after the value product, and
+  its fp32 log-sum-exp [B, G, R w, 1]."""
+  kd, w = q_BxLxHxK.shape[-1], q_BxLxHxK.shape[1] // n
+  qs = _group_major(q_BxLxHxK, k_BxGxSxK.shape[1]) * jnp.asarray(kd ** -0.5, q_BxLxHxK.dtype)
+  outs, lses = [], []
+  for i in range(n):
+    _, s_BxGxQxS, see_QxS = _chunk_scores(qs, k_BxGxSxK, i, w)
+    s_BxGxQxS = jnp.where(see_QxS, s_BxGxQxS, -jnp.inf)
+    m = jnp.max(s_BxGxQxS, axis=-1, keepdims=True)
+    e_BxGxQxS = jnp.exp(s_BxGxQxS - m)
+    total = jnp.sum(e_BxGxQxS, axis=-1, keepdims=True)
+    o_BxGxQxK = jnp.einsum('bgqs,bgsk->bgqk', e_BxGxQxS.astype(v_BxGxSxK.dtype),
+                           v_BxGxSxK[:, :, :(i + 1) * w], preferred_element_type=jnp.float32)
+    outs.append((o_BxGxQxK / total).astype(v_BxGxSxK.dtype))
+    lses.append(m + jnp.log(total))
+  return outs, lses
+
+
+def _token_major(chunks: list, rep: int) -> jax.Array:
+  """Chunk outputs [B, G, R w, K] back to [B, L, H, K]."""
+  b, g, q, kd = chunks[0].shape
+  o_BxGxRxLxK = jnp.concatenate([c.reshape(b, g, rep, q // rep, kd) for c in chunks], axis=3)
+  return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, -1, g * rep, kd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int) -> jax.Array:
+  """Causal attention in n query chunks over kv-group-major keys/values."""
+  outs, _ = _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n)
+  return _token_major(outs, q_BxLxHxK.shape[2] // k_BxGxSxK.shape[1])
+
+
+def _flash_fwd(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
+  outs, lses = _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n)
+  outs = [checkpoint_name(o, ATTN_OUT) for o in outs]
+  lses = [checkpoint_name(x, ATTN_LSE) for x in lses]
+  o = _token_major(outs, q_BxLxHxK.shape[2] // k_BxGxSxK.shape[1])
+  return o, (q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, outs, lses)
+
+
+def _flash_bwd(n: int, res, do_BxLxHxK):
+  """Flash attention's backward: probabilities from the scores and the saved log-sum-exp."""
+  q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, outs, lses = res
+  f32, (g, kd) = jnp.float32, (k_BxGxSxK.shape[1], q_BxLxHxK.shape[-1])
+  w, scale = q_BxLxHxK.shape[1] // n, kd ** -0.5
+  qs = _group_major(q_BxLxHxK, g) * jnp.asarray(scale, q_BxLxHxK.dtype)
+  dos = _group_major(do_BxLxHxK.astype(f32), g)
+  dk_BxGxSxK, dv_BxGxSxK = jnp.zeros(k_BxGxSxK.shape, f32), jnp.zeros(v_BxGxSxK.shape, f32)
+  dqs = []
+  for i in range(n):
+    end = (i + 1) * w
+    q_BxGxQxK, s_BxGxQxS, see_QxS = _chunk_scores(qs, k_BxGxSxK, i, w)
+    do_BxGxQxK = dos[:, :, :, i * w:end].reshape(q_BxGxQxK.shape)
+    p_BxGxQxS = jnp.where(see_QxS, jnp.exp(s_BxGxQxS - lses[i]), 0.0)
+    dp_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', do_BxGxQxK, v_BxGxSxK[:, :, :end],
+                            preferred_element_type=f32)
+    ds_BxGxQxS = p_BxGxQxS * (dp_BxGxQxS - jnp.sum(do_BxGxQxK * outs[i], -1, keepdims=True))
+    dv_BxGxSxK = dv_BxGxSxK.at[:, :, :end].add(
+        jnp.einsum('bgqs,bgqk->bgsk', p_BxGxQxS, do_BxGxQxK))
+    dk_BxGxSxK = dk_BxGxSxK.at[:, :, :end].add(
+        jnp.einsum('bgqs,bgqk->bgsk', ds_BxGxQxS, q_BxGxQxK, preferred_element_type=f32))
+    dqs.append(jnp.einsum('bgqs,bgsk->bgqk', ds_BxGxQxS, k_BxGxSxK[:, :, :end],
+                          preferred_element_type=f32) * scale)
+  dq = _token_major(dqs, q_BxLxHxK.shape[2] // g)
+  return (dq.astype(q_BxLxHxK.dtype), dk_BxGxSxK.astype(k_BxGxSxK.dtype),
+          dv_BxGxSxK.astype(v_BxGxSxK.dtype))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
 def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:
   """Causal softmax attention (scores and softmax in fp32), kv-group-major, in query chunks.
 
-  Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU (fwd + bwd
-  1.45x at shape S, 1.27x more at P's grouped-query heads): `grouped_attention`'s batched
-  matmuls (taller, no repeated keys/values), and the queries of chunk i only meet the
-  keys of chunks 0..i, which skips (n - 1) / 2n of the masked scores.
+  Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU: taller
+  batched matmuls (the R = H / G query heads of a kv head stacked, no repeated
+  keys/values), and the queries of chunk i only meet the keys of chunks 0..i, which
+  skips (n - 1) / 2n of the masked scores. The forward normalizes after the value
+  product; the backward is flash attention's (a custom VJP): it recomputes the scores and
+  needs only the output and the log-sum-exp (checkpoint names ATTN_OUT, ATTN_LSE), never
+  the probabilities, so a remat policy that keeps those two (and ROTATED_QK) recomputes
+  no attention forward (RematPolicy.DOTS: 1.06x at shape S on XLA:CPU).
   """
-  l = q_BxLxHxK.shape[1]
-  n = attention_chunks(l)
-  c = l // n
-  causal = lambda i, end: ((jnp.arange(c)[:, None] + i * c) >= jnp.arange(end)[None, :])[None]
-  return grouped_attention(q_BxLxHxK, jnp.swapaxes(k_BxLxGxK, 1, 2),
-                           jnp.swapaxes(v_BxLxGxK, 1, 2), n, lambda i: (i + 1) * c, causal)
+  n = attention_chunks(q_BxLxHxK.shape[1])
+  return _flash(q_BxLxHxK, jnp.swapaxes(k_BxLxGxK, 1, 2), jnp.swapaxes(v_BxLxGxK, 1, 2), n)
 
 
 def _library_attention(impl: str) -> Callable:

@@ -60,8 +60,9 @@ class ExitEngine(str, enum.Enum):
 class RematPolicy(str, enum.Enum):
   """What jax.checkpoint keeps of each core loop for the backward pass (depth.remat on)."""
   NOTHING = 'nothing'    # recompute the whole loop in the backward pass (least memory)
-  DOTS = 'dots'          # keep the projection/MLP matmul outputs, recompute the rest
-  ALL_DOTS = 'all_dots'  # also keep the attention scores and outputs (batched matmuls)
+  DOTS = 'dots'          # keep the projection/MLP matmul outputs, the rotated q/k and the
+                         # chunked attention's output and log-sum-exp; recompute the rest
+  ALL_DOTS = 'all_dots'  # also keep the batched matmuls (attention scores and outputs)
 
 
 class NanPolicy(str, enum.Enum):

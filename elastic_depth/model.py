@@ -19,11 +19,13 @@ import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
 from elastic_depth import recurrence
-from elastic_depth.attention import Rotary, apply_rope, attention_chunks, attention_fn, rope_tables
+from elastic_depth.attention import (ATTN_LSE, ATTN_OUT, ROTATED_QK, Rotary, apply_rope,
+                                     attention_chunks, attention_fn, rope_tables)
 from elastic_depth.config import (AttentionImpl, AttentionIn, DepthConfig, InitState, ModelConfig,
                                   RematPolicy)
 
@@ -32,11 +34,15 @@ KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Any]]  # mas
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 # What jax.checkpoint keeps of a core loop (depth.remat_policy): `dense` is a 2-D dot (no
-# batch dims), the attention scores/outputs are batched dots.
+# batch dims), the attention scores/outputs are batched dots; the names are the rotated
+# queries/keys and the chunked attention's output and log-sum-exp, all its backward needs.
+_ATTENTION_NAMES = jax.checkpoint_policies.save_only_these_names(ROTATED_QK, ATTN_OUT, ATTN_LSE)
 REMAT_POLICIES = {
     RematPolicy.NOTHING: None,
-    RematPolicy.DOTS: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    RematPolicy.ALL_DOTS: jax.checkpoint_policies.dots_saveable,
+    RematPolicy.DOTS: jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _ATTENTION_NAMES),
+    RematPolicy.ALL_DOTS: jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _ATTENTION_NAMES),
 }
 
 
@@ -111,7 +117,7 @@ class Attention(nnx.Module):
       q = q + self.q_bias_HxK[...].astype(dt)
       k = k + self.k_bias_GxK[...].astype(dt)
     rot = rope_tables(pos_BxL, q.shape[-1], self.theta) if rot is None else rot
-    q, k = apply_rope(q, rot), apply_rope(k, rot)
+    q, k = (checkpoint_name(apply_rope(x, rot), ROTATED_QK) for x in (q, k))
     with jax.named_scope('sdpa'):
       if kv_fn is None:  # training and full-sequence forwards: plain causal attention
         o = attention_fn(self.impl)(q, k, v)

@@ -17,8 +17,10 @@ time, `train.loss_chunk`; default the shape's own) and each attention implementa
 
 FLOPs are model FLOPs: 3x the forward matmul FLOPs of `model.flops_per_token` at
 depth r (the usual "6N" convention); `hw_flops_per_token` also counts the matmuls
-that remat recomputes in the backward pass (all of a loop's with remat_policy=nothing,
-the attention scores/outputs with dots, none with all_dots or off). Both are divided
+that the backward pass recomputes: remat's (all of a loop's with remat_policy=nothing;
+with dots the attention scores/outputs, except the chunked attention's, whose output and
+log-sum-exp it keeps; none with all_dots or off) and a flash-style attention backward's
+(the chunked attention's or cuDNN's: the scores of every attention block). Both are divided
 by the matmul peak measured in the same process (`metrics.measure_matmul_peak`, one
 large fp32 jnp.dot), before and after the shapes; on an accelerator the model FLOP/s
 are also reported as MFU against the device kind's bf16 peak (`metrics.peak_flops`).

@@ -5,6 +5,7 @@ import time
 import jax
 import numpy as np
 
+from elastic_depth import attention
 from elastic_depth import config as config_lib
 from elastic_depth import distributed
 from elastic_depth import dry_run
@@ -13,16 +14,34 @@ from elastic_depth import train as train_lib
 from experiments import bench_util
 
 
+def attention_impl(cfg: config_lib.Config) -> config_lib.AttentionImpl:
+  """The attention implementation the step runs (AUTO resolved for this backend)."""
+  m = cfg.model
+  impl = config_lib.AttentionImpl(m.attention_impl)
+  if impl != config_lib.AttentionImpl.AUTO:
+    return impl
+  return attention.auto_attention_impl(jax.default_backend(), model_lib.DTYPES[m.dtype],
+                                       m.head_dim)
+
+
 def flop_counts(cfg: config_lib.Config, r: int) -> dict:
-  """Per-token FLOPs: model (3x forward) and hardware (plus the remat recompute)."""
+  """Per-token FLOPs: model (3x forward) and hardware (plus what the backward recomputes)."""
   fwd = model_lib.flops_per_token(cfg.model, r, cfg.train.seq_len)
   model = 3 * fwd['total']
-  m = cfg.model
-  kept = {  # matmul FLOPs per token of one loop that the backward pass recomputes
+  m, impl = cfg.model, attention_impl(cfg)
+  scores = m.num_heads * m.head_dim * cfg.train.seq_len  # one causal QK^T product per token
+  kept = {  # matmul FLOPs per token of one loop that remat recomputes in the backward pass
       config_lib.RematPolicy.NOTHING: fwd['loop'],
-      config_lib.RematPolicy.DOTS: m.n_core * 2 * m.num_heads * m.head_dim * cfg.train.seq_len,
-      config_lib.RematPolicy.ALL_DOTS: 0.0}  # DOTS: attention scores/outputs (causal half)
+      # DOTS: the attention scores/outputs, except the chunked attention's (names kept)
+      config_lib.RematPolicy.DOTS: (0.0 if impl == config_lib.AttentionImpl.CHUNKED
+                                    else m.n_core * 2 * scores),
+      config_lib.RematPolicy.ALL_DOTS: 0.0}
   recompute = r * kept[cfg.depth.remat_policy] if cfg.depth.remat else 0.0
+  if impl in (config_lib.AttentionImpl.CHUNKED, config_lib.AttentionImpl.CUDNN):
+    # a flash-style backward recomputes the scores of every attention block
+    outer = m.n_prelude + m.n_coda if config_lib.AttentionIn(m.attention) == (
+        config_lib.AttentionIn.ALL) else 0
+    recompute += scores * (r * m.n_core + outer)
   return dict(forward=float(fwd['total']), model=float(model),
               remat_recompute=float(recompute), hw=float(model + recompute),
               head_fraction=float(fwd['head'] / fwd['total']))
@@ -95,6 +114,7 @@ class TimedStep(bench_util.StepTimer):
     res = dict(
         shape=self.name, depth=self.r, dtype=cfg.model.dtype, remat=self.remat,
         loss_chunk=cfg.train.loss_chunk, attention_impl=str(cfg.model.attention_impl.value),
+        attention_impl_run=attention_impl(cfg).value,
         unroll=cfg.depth.unroll, fuse_projections=cfg.model.fuse_projections,
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,

@@ -48,7 +48,13 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   # the fused head + cross-entropy gives the plain loss (same init and batch)
   assert fused['first_loss'] == pytest.approx(res['first_loss'], rel=1e-5)
   assert off['temp_bytes'] > res['temp_bytes'] > 0  # remat trades recompute for memory
-  assert off['flops_per_token_hw'] == off['flops_per_token']  # nothing recomputed
+  # without remat only the chunked attention's flash-style backward recomputes: the QK^T
+  # product of every attention block (causal half: H K L FLOPs a token)
+  m = off['config']['model']
+  assert off['attention_impl_run'] == 'chunked' and m['attention'] == 'all'
+  assert off['flops_per_token_hw'] - off['flops_per_token'] == pytest.approx(
+      m['num_heads'] * m['head_dim'] * off['seq_len']
+      * (off['depth'] * m['n_core'] + m['n_prelude'] + m['n_coda']))
   assert res['shape'] == 'nano' and 'reference' not in res  # no --reference_dir
   assert res['depths_run'] == [res['depth']]  # the depth really was fixed
   assert res['all_finite']
