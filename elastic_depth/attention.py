@@ -194,6 +194,7 @@ def _flash(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int) -> jax.Array:
 
 
 def _flash_fwd(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
+  """The forward, keeping the inputs, the chunk outputs and their log-sum-exps (named)."""
   outs, lses = _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n)
   outs = [checkpoint_name(o, ATTN_OUT) for o in outs]
   lses = [checkpoint_name(x, ATTN_LSE) for x in lses]
