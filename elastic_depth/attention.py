@@ -55,6 +55,18 @@ def attention_chunks(l: int, min_chunk: int = 64, max_chunks: int = 4) -> int:
               or n == 1)
 
 
+def _group_major(x_BxLxHxK, g: int) -> jax.Array:
+  """[B, L, H, K] -> [B, G, R, L, K]: the R = H / G query heads of each kv head."""
+  b, l, h, kd = x_BxLxHxK.shape
+  return x_BxLxHxK.reshape(b, l, g, h // g, kd).transpose(0, 2, 3, 1, 4)
+
+
+def _ungroup(o_BxGxRxLxK) -> jax.Array:
+  """[B, G, R, L, K] -> [B, L, H, K] (the inverse of _group_major)."""
+  b, g, rep, l, kd = o_BxGxRxLxK.shape
+  return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * rep, kd)
+
+
 def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable,
                       see: Callable) -> jax.Array:
   """Softmax attention in n query chunks over kv-group-major keys/values (fp32 scores).
@@ -67,7 +79,7 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   g = k_BxGxSxK.shape[1]
   rep = h // g  # query heads per kv head
   scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
-  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, rep, kd).transpose(0, 2, 3, 1, 4) * scale
+  q_BxGxRxCxK = _group_major(q_BxCxHxK, g) * scale
   w = c // n
   outs = []
   for i in range(n):
@@ -80,16 +92,14 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
     o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end])
     outs.append(o.reshape(b, g, rep, w, kd))
   o_BxGxRxCxK = jnp.concatenate(outs, axis=3)
-  return o_BxGxRxCxK.transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
+  return _ungroup(o_BxGxRxCxK)
 
 
 def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
   """Scaled queries [B, G, R, C, K] (the R = H / G query heads of a kv head) and their fp32
   scores over k, -inf where not see_BxCxS."""
-  b, c, h, kd = q_BxCxHxK.shape
-  g = k_BxGxSxK.shape[1]
-  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
-  q_BxGxRxCxK = q_BxCxHxK.reshape(b, c, g, h // g, kd).transpose(0, 2, 3, 1, 4) * scale
+  scale = jnp.asarray(q_BxCxHxK.shape[-1] ** -0.5, q_BxCxHxK.dtype)
+  q_BxGxRxCxK = _group_major(q_BxCxHxK, k_BxGxSxK.shape[1]) * scale
   s_BxGxRxCxS = jnp.einsum('bgrck,bgsk->bgrcs', q_BxGxRxCxK, k_BxGxSxK,
                            preferred_element_type=jnp.float32)
   return q_BxGxRxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxRxCxS, -jnp.inf)
@@ -102,13 +112,12 @@ def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
   a copy); the exponentials are normalized after the value product, on [.., C, K] rather
   than [.., C, S]. Scores, max and sum in fp32. Every query must see a key.
   """
-  b, c, h, kd = q_BxCxHxK.shape
   _, s_BxGxRxCxS = _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS)
   e_BxGxRxCxS = jnp.exp(s_BxGxRxCxS - jnp.max(s_BxGxRxCxS, axis=-1, keepdims=True))
   o_BxGxRxCxK = jnp.einsum('bgrcs,bgsk->bgrck', e_BxGxRxCxS.astype(v_BxGxSxK.dtype), v_BxGxSxK,
                            preferred_element_type=jnp.float32)
   o_BxGxRxCxK = o_BxGxRxCxK / jnp.sum(e_BxGxRxCxS, axis=-1, keepdims=True)
-  return o_BxGxRxCxK.astype(v_BxGxSxK.dtype).transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
+  return _ungroup(o_BxGxRxCxK.astype(v_BxGxSxK.dtype))
 
 
 def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_BxNxGxK,
@@ -120,7 +129,6 @@ def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_Bx
   of it inside a branch) and writes the fresh keys/values afterwards. One softmax over both
   key sets, fp32 scores, normalized after the value products. Every query must see a key.
   """
-  b, c, h, kd = q_BxQxHxK.shape
   q_BxGxRxQxK, s_BxGxRxQxS = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
   s_BxGxRxQxN = jnp.einsum('bgrqk,bngk->bgrqn', q_BxGxRxQxK, kn_BxNxGxK.astype(q_BxQxHxK.dtype),
                            preferred_element_type=jnp.float32)
@@ -135,17 +143,11 @@ def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_Bx
                               preferred_element_type=jnp.float32))
   o_BxGxRxQxK = o_BxGxRxQxK / (jnp.sum(e_old, axis=-1, keepdims=True)
                                + jnp.sum(e_new, axis=-1, keepdims=True))
-  return o_BxGxRxQxK.astype(dt).transpose(0, 3, 1, 2, 4).reshape(b, c, h, kd)
+  return _ungroup(o_BxGxRxQxK.astype(dt))
 
 
 ATTN_OUT, ATTN_LSE = 'attn_out', 'attn_lse'  # causal_attention's residuals (checkpoint names)
 ROTATED_QK = 'rotated_qk'  # the model's rotated queries/keys (checkpoint name)
-
-
-def _group_major(x_BxLxHxK, g: int) -> jax.Array:
-  """[B, L, H, K] -> [B, G, R, L, K]: the R = H / G query heads of each kv head."""
-  b, l, h, kd = x_BxLxHxK.shape
-  return x_BxLxHxK.reshape(b, l, g, h // g, kd).transpose(0, 2, 3, 1, 4)
 
 
 def _chunk_scores(qs_BxGxRxLxK, k_BxGxSxK, i: int, w: int):
@@ -182,8 +184,7 @@ def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
 def _token_major(chunks: list, rep: int) -> jax.Array:
   """Chunk outputs [B, G, R w, K] back to [B, L, H, K]."""
   b, g, q, kd = chunks[0].shape
-  o_BxGxRxLxK = jnp.concatenate([c.reshape(b, g, rep, q // rep, kd) for c in chunks], axis=3)
-  return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, -1, g * rep, kd)
+  return _ungroup(jnp.concatenate([c.reshape(b, g, rep, q // rep, kd) for c in chunks], axis=3))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
