@@ -67,6 +67,27 @@ def _ungroup(o_BxGxRxLxK) -> jax.Array:
   return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * rep, kd)
 
 
+def _scaled_group_major(q_BxLxHxK, g: int) -> jax.Array:
+  """The queries group-major ([B, G, R, L, K]) and scaled by K^-1/2."""
+  scale = jnp.asarray(q_BxLxHxK.shape[-1] ** -0.5, q_BxLxHxK.dtype)
+  return _group_major(q_BxLxHxK, g) * scale
+
+
+def _chunk_scores(qs_BxGxRxLxK, k_BxGxSxK, i: int, w: int, end: int):
+  """Chunk i of w scaled queries as [B, G, R w, K] and its fp32 scores over the keys
+  [:end] (unmasked)."""
+  b, g, rep, _, kd = qs_BxGxRxLxK.shape
+  q_BxGxQxK = qs_BxGxRxLxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
+  s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
+                         preferred_element_type=jnp.float32)
+  return q_BxGxQxK, s_BxGxQxS
+
+
+def _causal_see(i: int, w: int, rep: int) -> jax.Array:
+  """Chunk i's causal mask [R w, (i + 1) w] (query row r w + t is position i w + t)."""
+  return jnp.tile((jnp.arange(w)[:, None] + i * w) >= jnp.arange((i + 1) * w)[None], (rep, 1))
+
+
 def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable,
                       see: Callable) -> jax.Array:
   """Softmax attention in n query chunks over kv-group-major keys/values (fp32 scores).
@@ -75,18 +96,13 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   batched matmul (no repeated keys/values). Chunk i's queries meet the keys [:key_end(i)]
   where see(i, end) ([B or 1, C / n, end] bool) is true.
   """
-  b, c, h, kd = q_BxCxHxK.shape
-  g = k_BxGxSxK.shape[1]
-  rep = h // g  # query heads per kv head
-  scale = jnp.asarray(kd ** -0.5, q_BxCxHxK.dtype)
-  q_BxGxRxCxK = _group_major(q_BxCxHxK, g) * scale
+  qs_BxGxRxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
+  b, g, rep, c, kd = qs_BxGxRxCxK.shape
   w = c // n
   outs = []
   for i in range(n):
     end = key_end(i)
-    q_BxGxQxK = q_BxGxRxCxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)  # Q = rep w
-    s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
-                           preferred_element_type=jnp.float32)
+    _, s_BxGxQxS = _chunk_scores(qs_BxGxRxCxK, k_BxGxSxK, i, w, end)
     see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
     p = jax.nn.softmax(jnp.where(see_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
     o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end])
@@ -98,8 +114,7 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
 def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
   """Scaled queries [B, G, R, C, K] (the R = H / G query heads of a kv head) and their fp32
   scores over k, -inf where not see_BxCxS."""
-  scale = jnp.asarray(q_BxCxHxK.shape[-1] ** -0.5, q_BxCxHxK.dtype)
-  q_BxGxRxCxK = _group_major(q_BxCxHxK, k_BxGxSxK.shape[1]) * scale
+  q_BxGxRxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
   s_BxGxRxCxS = jnp.einsum('bgrck,bgsk->bgrcs', q_BxGxRxCxK, k_BxGxSxK,
                            preferred_element_type=jnp.float32)
   return q_BxGxRxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxRxCxS, -jnp.inf)
@@ -150,27 +165,16 @@ ATTN_OUT, ATTN_LSE = 'attn_out', 'attn_lse'  # causal_attention's residuals (che
 ROTATED_QK = 'rotated_qk'  # the model's rotated queries/keys (checkpoint name)
 
 
-def _chunk_scores(qs_BxGxRxLxK, k_BxGxSxK, i: int, w: int):
-  """Chunk i of w scaled queries as [B, G, R w, K], its fp32 scores over the keys
-  [:(i + 1) w] (unmasked) and the causal mask [R w, (i + 1) w]."""
-  b, g, rep, _, kd = qs_BxGxRxLxK.shape
-  end = (i + 1) * w
-  q_BxGxQxK = qs_BxGxRxLxK[:, :, :, i * w:end].reshape(b, g, rep * w, kd)
-  s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
-                         preferred_element_type=jnp.float32)
-  see_QxS = jnp.tile((jnp.arange(w)[:, None] + i * w) >= jnp.arange(end)[None], (rep, 1))
-  return q_BxGxQxK, s_BxGxQxS, see_QxS
-
-
 def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
   """Per query chunk: the output [B, G, R w, K], normalized after the value product, and
   its fp32 log-sum-exp [B, G, R w, 1]."""
-  kd, w = q_BxLxHxK.shape[-1], q_BxLxHxK.shape[1] // n
-  qs = _group_major(q_BxLxHxK, k_BxGxSxK.shape[1]) * jnp.asarray(kd ** -0.5, q_BxLxHxK.dtype)
+  w = q_BxLxHxK.shape[1] // n
+  qs = _scaled_group_major(q_BxLxHxK, k_BxGxSxK.shape[1])
+  rep = qs.shape[2]
   outs, lses = [], []
   for i in range(n):
-    _, s_BxGxQxS, see_QxS = _chunk_scores(qs, k_BxGxSxK, i, w)
-    s_BxGxQxS = jnp.where(see_QxS, s_BxGxQxS, -jnp.inf)
+    _, s_BxGxQxS = _chunk_scores(qs, k_BxGxSxK, i, w, (i + 1) * w)
+    s_BxGxQxS = jnp.where(_causal_see(i, w, rep), s_BxGxQxS, -jnp.inf)
     m = jnp.max(s_BxGxQxS, axis=-1, keepdims=True)
     e_BxGxQxS = jnp.exp(s_BxGxQxS - m)
     total = jnp.sum(e_BxGxQxS, axis=-1, keepdims=True)
@@ -208,13 +212,14 @@ def _flash_bwd(n: int, res, do_BxLxHxK):
   q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, outs, lses = res
   f32, (g, kd) = jnp.float32, (k_BxGxSxK.shape[1], q_BxLxHxK.shape[-1])
   w, scale = q_BxLxHxK.shape[1] // n, kd ** -0.5
-  qs = _group_major(q_BxLxHxK, g) * jnp.asarray(scale, q_BxLxHxK.dtype)
+  qs = _scaled_group_major(q_BxLxHxK, g)
   dos = _group_major(do_BxLxHxK.astype(f32), g)
   dk_BxGxSxK, dv_BxGxSxK = jnp.zeros(k_BxGxSxK.shape, f32), jnp.zeros(v_BxGxSxK.shape, f32)
   dqs = []
   for i in range(n):
     end = (i + 1) * w
-    q_BxGxQxK, s_BxGxQxS, see_QxS = _chunk_scores(qs, k_BxGxSxK, i, w)
+    q_BxGxQxK, s_BxGxQxS = _chunk_scores(qs, k_BxGxSxK, i, w, end)
+    see_QxS = _causal_see(i, w, qs.shape[2])
     do_BxGxQxK = dos[:, :, :, i * w:end].reshape(q_BxGxQxK.shape)
     p_BxGxQxS = jnp.where(see_QxS, jnp.exp(s_BxGxQxS - lses[i]), 0.0)
     dp_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', do_BxGxQxK, v_BxGxSxK[:, :, :end],
