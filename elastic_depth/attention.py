@@ -97,18 +97,15 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   where see(i, end) ([B or 1, C / n, end] bool) is true.
   """
   qs_BxGxRxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
-  b, g, rep, c, kd = qs_BxGxRxCxK.shape
-  w = c // n
+  rep, w = qs_BxGxRxCxK.shape[2], qs_BxGxRxCxK.shape[3] // n
   outs = []
   for i in range(n):
     end = key_end(i)
     _, s_BxGxQxS = _chunk_scores(qs_BxGxRxCxK, k_BxGxSxK, i, w, end)
     see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
     p = jax.nn.softmax(jnp.where(see_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
-    o = jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end])
-    outs.append(o.reshape(b, g, rep, w, kd))
-  o_BxGxRxCxK = jnp.concatenate(outs, axis=3)
-  return _ungroup(o_BxGxRxCxK)
+    outs.append(jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end]))
+  return _token_major(outs, rep)
 
 
 def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
