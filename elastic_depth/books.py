@@ -9,6 +9,7 @@ import numpy as np
 
 from elastic_depth import config as config_lib
 from elastic_depth import model as model_lib
+from elastic_depth import policies
 
 DEFAULT_DELTA = 0.01        # nats/token: the tolerance of 'matches quality'
 FRONTIER_TOLERANCE = 0.002  # nats/token a cheap check may lose against the exact one
@@ -105,18 +106,21 @@ def decode_flops(mcfg, prelude, core, coda, head, checks, cache_len: int):
           + head * f['head'] + checks * delta_flops(mcfg.d_model))
 
 
-def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: int):
+def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: int,
+               probe_rank: int = -1):
   """Check work per core loop, in core loops, from per-token executed counts.
 
   The output readout (one coda pass and one head product per token) is what A0 pays
   too, so it is not the check's: cost = ((readouts - 1) x coda + (heads - 1) x head +
-  loops x delta) / (loops x loop), with `model.flops_per_token`'s parts for mcfg.
+  loops x (delta + probe)) / (loops x loop), with `model.flops_per_token`'s parts for
+  mcfg and a state probe's FLOPs at its width (`policies.probe_flops`).
 
   Args:
     mcfg: the model shape to cost the counts at (e.g. the 135M blocks).
     loops, readouts, heads: mean core loops, readouts and head products per token as
       the engine executed them (final readout included), scalars or arrays.
     seq_len: the sequence length of the attention FLOPs.
+    probe_rank: the state probe the check runs every loop (`policies.probe_rank`).
   Returns:
     core loops of check work per core loop (float or array).
   """
@@ -124,7 +128,7 @@ def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: in
   coda = f['coda_head'] - f['head']
   loops, readouts, heads = (np.asarray(x, np.float64) for x in (loops, readouts, heads))
   work = ((readouts - 1) * coda + (heads - 1) * f['head']
-          + loops * delta_flops(mcfg.d_model))
+          + loops * (delta_flops(mcfg.d_model) + policies.probe_flops(probe_rank, mcfg.d_model)))
   return work / (loops * f['loop'])
 
 
@@ -210,7 +214,8 @@ def frontier_gap(exact: Mapping, cheap, loss_cap: float = np.inf) -> Optional[di
 def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> list:
   """Check cost per loop (core loops) at every point of a sweep curve, at shape mcfg."""
   return np.atleast_1d(check_cost(mcfg, curve['mean_loops_counted'], curve['mean_readouts'],
-                                  curve['mean_heads'], seq_len)).tolist()
+                                  curve['mean_heads'], seq_len,
+                                  curve.get('probe_rank', -1))).tolist()
 
 
 _TUNED = {'/min*': r'/min\d+', '/g*': r'/g\d[\d.]*(?:e[+-]?\d+)?'}  # min_loops, eps_growth

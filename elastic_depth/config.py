@@ -25,6 +25,7 @@ class ExitPolicy(str, enum.Enum):
   REVERSE_KL = 'reverse_kl'    # KL(p_{i-1} || p_i) < eps
   STATE_DELTA = 'state_delta'  # ||s_i - s_{i-1}|| / ||s_i|| < eps
   ROUTER = 'router'            # A2: linear probe P(change) < eps
+  KL_PROBE = 'kl_probe'        # the KL estimated from the state (policies.KLProbe) < eps
   CONFIDENCE = 'confidence'    # 1 - max_v p_i(v) < eps (no previous loop needed)
 
 

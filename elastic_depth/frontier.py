@@ -24,7 +24,7 @@ class Curve(NamedTuple):
   """An exit-policy curve: one scored run per threshold."""
   policy: str
   thresholds: Sequence[float]
-  router: Optional[policies.Router] = None
+  router: Optional[policies.Probe] = None  # the state probe (router or kl_probe policy)
   min_loops: int = 1
   semantics: Semantics = Semantics.PARALLEL
   gate: float = 0.0  # gated_kl's state-change gate
@@ -113,6 +113,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['mean_loops_counted'].append(masked_mean(depth[:, -t:], mask[:, -t:]))
       out['share_max_depth'].append(masked_mean(depth == r_max, mask))
   out['policy'] = policy
+  out['probe_rank'] = policies.probe_rank(curve.router)  # its FLOPs are in the check books
   return out
 
 

@@ -324,7 +324,8 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     coda_kv0 = (_group_major(model.decode_state(lay.to_rows(s0), lay.pos)[1]) if pad else
                 [(zeros, zeros)] * c.n_coda if compact_coda else [])
     _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
-                                       use_kernel=cfg.use_kernel, patience=cfg.patience)
+                                       router=router, use_kernel=cfg.use_kernel,
+                                       patience=cfg.patience)
 
     phase = _compact_phase(model, cfg, inj, pos, lay, compact_coda, router=router,
                            exit_mask_BxL=exit_mask_BxL, schedule_BxL=schedule_BxL)

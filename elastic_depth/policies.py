@@ -1,4 +1,5 @@
-"""Depth sampling for training and per-token exit criteria (A0 uniform, A1 KL, A2 router).
+"""Depth sampling for training and per-token exit criteria (A0 uniform, A1 KL, A2 router,
+and the KL probe: KL(p_i || p_{i-1}) estimated from the state, no readout).
 
 A criterion is built as `check_fn(s_new, s_old, carry, i, active) -> (exit, carry, stats)`
 for `recurrence.early_exit`. KL criteria read the output distribution
@@ -9,7 +10,7 @@ decoding.
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,53 @@ def router_logit(router: Router, s_BxLxD: jax.Array) -> jax.Array:
   """Router logit per token in fp32."""
   x = (s_BxLxD.astype(jnp.float32) - router.mu_D) / router.sd_D
   return jnp.einsum('BLD,D->BL', x, router.w_D) + router.b
+
+
+class KLProbe(NamedTuple):
+  """KL(p_i || p_{i-1}) read off the state: log KL ~ log ||(s_i - s_{i-1}) A||^2 + x_i.w + b,
+  with x_i the standardised s_i (a rank-K quadratic form of the change, scaled per token)."""
+  a_DxK: jax.Array
+  w_D: jax.Array
+  b: jax.Array
+  mu_D: jax.Array   # feature standardisation of s_i
+  sd_D: jax.Array
+
+
+Probe = Union[Router, KLProbe]  # the state probes a check may carry (policy router, kl_probe)
+
+
+def kl_probe_log(probe: KLProbe, s_new_BxLxD: jax.Array, s_old_BxLxD: jax.Array) -> jax.Array:
+  """The probe's estimate of log KL(p_i || p_{i-1}) per token, fp32 [B, L]."""
+  s = s_new_BxLxD.astype(jnp.float32)
+  q_BxLxK = jnp.einsum('BLD,DK->BLK', s - s_old_BxLxD.astype(jnp.float32), probe.a_DxK)
+  x = (s - probe.mu_D) / probe.sd_D
+  return (jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
+          + jnp.einsum('BLD,D->BL', x, probe.w_D) + probe.b)
+
+
+def probe_rank(probe: Optional[Probe]) -> int:
+  """-1 without a probe, 0 for the router, K for a rank-K KL probe (`probe_flops`)."""
+  if probe is None:
+    return -1
+  return int(probe.a_DxK.shape[-1]) if isinstance(probe, KLProbe) else 0
+
+
+def probe_flops(rank: int, d_model: int) -> int:
+  """FLOPs per token and check of a state probe of `probe_rank` rank at width d_model."""
+  if rank < 0:
+    return 0
+  # the router: standardise and dot; the KL probe adds the change's rank-K projection
+  # and its squared norm
+  return 4 * d_model + (2 * d_model * rank + 2 * rank if rank > 0 else 0)
+
+
+def _probe_stats(probe: Optional[Probe], s_new, s_old) -> dict:
+  """The statistic a state probe adds to a check: the router's P(change) or the KL estimate."""
+  if probe is None:
+    return {}
+  if isinstance(probe, KLProbe):
+    return {'kl_hat': jnp.exp(kl_probe_log(probe, s_new, s_old))}
+  return {'p_change': jax.nn.sigmoid(router_logit(probe, s_new))}
 
 
 def relative_change(s_new, s_old) -> jax.Array:
@@ -207,6 +255,7 @@ def _decide(policy: ExitPolicy, stats, i, eps, gate):
       ExitPolicy.REVERSE_KL: lambda: (stats['rkl'] < eps) & ~first,
       ExitPolicy.STATE_DELTA: lambda: (stats['delta'] < eps) & ~first,
       ExitPolicy.ROUTER: lambda: stats['p_change'] < eps,
+      ExitPolicy.KL_PROBE: lambda: (stats['kl_hat'] < eps) & ~first,
       ExitPolicy.CONFIDENCE: lambda: stats['conf'] < eps,
   }
   return rules[policy]()
@@ -242,7 +291,7 @@ def _carry0(s0, *, patient: bool, needs_head: bool, trace: bool, readout, w_VxD,
 
 
 def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None,
-                  w_VxD: Optional[jax.Array] = None, router: Optional[Router] = None,
+                  w_VxD: Optional[jax.Array] = None, router: Optional[Probe] = None,
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
                   trace: bool = False, min_loops: int = 1, check_every: int = 1,
                   gate: float = 0.0, max_loops: Optional[int] = None, patience: int = 1,
@@ -257,10 +306,11 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
 
   Args:
     policy: an ExitPolicy value.
-    eps: threshold (KL in nats, relative state change, or router probability).
+    eps: threshold (KL or the probe's KL estimate in nats, relative state change, or
+      router probability).
     readout: s_BxLxD -> h_BxLxD (coda + final norm); needed by KL policies / trace.
     w_VxD: LM head; needed by KL policies / trace.
-    router: A2 probe; needed by the router policy.
+    router: the state probe: a Router (policy router) or a KLProbe (policy kl_probe).
     targets_BxL: if given with trace, stats include the per-loop NLL of the targets.
     use_kernel: fused Pallas KL on GPU (not with trace).
     trace: compute KL, reverse KL, state change, argmax (and NLL) at every loop.
@@ -274,6 +324,10 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
   policy = ExitPolicy(policy)
+  wants = {ExitPolicy.ROUTER: Router, ExitPolicy.KL_PROBE: KLProbe}.get(policy)
+  if wants is not None and not isinstance(router, wants):
+    raise ValueError(f'error: exit.policy={policy.value} needs a policies.{wants.__name__}, '
+                     f'got {type(router).__name__}')
   needs_head = trace or policy in HEAD_POLICIES
   patient = policy == ExitPolicy.STATE_DELTA and patience > 1
   if patient and trace:  # the carry holds the run, not the readout a trace compares with
@@ -299,8 +353,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
         stats['conf'] = st['conf']
       if trace and targets_BxL is not None:
         stats['nll'] = st['lse'] - st['logit_t']
-    if router is not None:
-      stats['p_change'] = jax.nn.sigmoid(router_logit(router, s_new))
+    stats.update(_probe_stats(router, s_new, s_old))
     if patient:
       run = run_below(stats['delta'], eps, i, carry.prev, active)
       return run >= patience, carry._replace(prev=run), stats if trace else {}

@@ -148,20 +148,21 @@ def batch_tokens(first: int, count: int, batch_size: int, seq_len: int) -> list[
   return [first * batch_size * seq_len + 1, (first + count) * batch_size * seq_len + 1]
 
 
-def overlap_error(fit: Optional[dict], data_config: dict, tokens: list[int]) -> Optional[str]:
+def overlap_error(fit: Optional[dict], data_config: dict, tokens: list[int],
+                  what: str = 'router') -> Optional[str]:
   """Why a probe fitted as `fit` records may not be scored on `tokens` of that data, or None.
 
   Scoring is refused when the probe's record is missing or when its fitting tokens and
   `tokens` ([start, end) of the same validation stream) overlap.
   """
   if not fit:
-    return ('the router file has no record of the batches it was fitted on (an older '
+    return (f'the {what} file has no record of the batches it was fitted on (an older '
             'train_router); retrain it')
   if fit['data_config'] != data_config:
     return None  # another corpus or generator setting: a different validation stream
   lo, hi = fit['tokens']
   if lo < tokens[1] and tokens[0] < hi:
-    return (f"the router was fitted on the validation targets [{lo}, {hi}) (batches "
+    return (f"the {what} was fitted on the validation targets [{lo}, {hi}) (batches "
             f"{fit['batches'][0]}..{fit['batches'][-1]} of {fit['batch_size']} x "
             f"{fit['seq_len']}), which overlap the targets [{tokens[0]}, {tokens[1]}) scored "
             'here: its curve would be in-sample')

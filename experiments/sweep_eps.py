@@ -8,6 +8,8 @@ token by token), and the @cached curves are judged against it.
   python -m experiments.sweep_eps --workdir=runs/tiny
   python -m experiments.sweep_eps --workdir=runs/ts --eps_grid=1e-5,1e-4,1e-3 \
       --curves=kl,reverse_kl,state_delta --delta=0.02
+  python -m experiments.sweep_eps --workdir=runs/tiny --curves=kl,state_delta --kl_probe \
+      --semantics=parallel,cached   # after train_router --probe=kl_probe
 
 Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
@@ -20,7 +22,7 @@ from typing import Optional
 import jax
 from absl import app, flags
 
-from elastic_depth import books, frontier, reports
+from elastic_depth import analysis, books, frontier, kl_probe, reports
 from elastic_depth import router as router_lib
 from elastic_depth.config import Semantics
 from experiments import common, flags_util
@@ -36,6 +38,7 @@ class SweepOptions:
   state_delta_grid: Optional[list[float]] = None
   router: bool = False                            # add the A2 curve from router.json
   router_grid: Optional[list[float]] = None
+  kl_probe: bool = False                          # add the kl_probe curve from kl_probe.json
   semantics: tuple[str, ...] = ('parallel',)      # parallel (score), cached (decode_step)
   calibrated: bool = True                         # mark calibrate_eps's eps if chosen
   timing_repeats: int = 3                         # time each best point against A0
@@ -56,6 +59,10 @@ CURVES = flags.DEFINE_list('curves', list(SweepOptions.curves), 'Exit curves: kl
 ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
                            '(python -m experiments.train_router); refused if the router '
                            'was fitted on batches this sweep scores.')
+KL_PROBE = flags.DEFINE_bool('kl_probe', False, 'Add the kl_probe curve (the KL estimated '
+                             'from the state, no readout; thresholds: --eps_grid) from '
+                             '<workdir>/kl_probe.json (train_router --probe=kl_probe); refused '
+                             'if the probe was fitted on batches this sweep scores.')
 CALIBRATED = flags.DEFINE_bool('calibrated', True, 'Mark the eps chosen by '
                                'experiments.calibrate_eps (reports/calibrate_eps[_TAG].json) '
                                'on the frontier when that report exists.')
@@ -92,6 +99,7 @@ def options_from_flags() -> SweepOptions:
   """SweepOptions from this experiment's flags."""
   return SweepOptions(eps_grid=_floats(EPS_GRID.value, 'eps_grid'), delta=DELTA.value,
                       curves=tuple(CURVES.value), router=ROUTER.value,
+                      kl_probe=KL_PROBE.value,
                       state_delta_grid=_floats(STATE_DELTA_GRID.value, 'state_delta_grid'),
                       router_grid=_floats(ROUTER_GRID.value, 'router_grid'),
                       semantics=tuple(SEMANTICS.value), calibrated=CALIBRATED.value,
@@ -119,19 +127,26 @@ def _positive_ints(xs, name: str) -> tuple[int, ...]:
   return ks
 
 
-def _router(opts: common.Options, ld: common.Loaded):
-  """The A2 probe of the workdir; SetupError if it saw any batch scored here."""
-  path = os.path.join(opts.workdir, 'router.json')
+def _probe(opts: common.Options, ld: common.Loaded, name: str):
+  """The workdir's state probe `name` (router, kl_probe); SetupError if it is missing,
+  unreadable or saw any batch scored here."""
+  path = os.path.join(opts.workdir, f'{name}.json')
+  fit_flag = '' if name == 'router' else ' --probe=kl_probe'
   if not os.path.exists(path):
-    raise common.SetupError(f'--router: no {path}; run python -m experiments.train_router '
-                            f'--workdir={opts.workdir} first')
+    raise common.SetupError(f'--{name}: no {path}; run python -m experiments.train_router'
+                            f'{fit_flag} --workdir={opts.workdir} first')
   tokens = router_lib.batch_tokens(0, len(ld.batches), ld.data.batch_size, ld.data.seq_len)
-  why = router_lib.overlap_error(router_lib.load_fit(path),
-                                 dataclasses.asdict(ld.data_cfg), tokens)
+  try:
+    why = router_lib.overlap_error(router_lib.load_fit(path),
+                                   dataclasses.asdict(ld.data_cfg), tokens, name)
+    probe = (router_lib.load(path) if name == 'router' else
+             kl_probe.load(path, ld.model.cfg.d_model))
+  except (ValueError, KeyError, TypeError) as e:
+    raise common.SetupError(f'--{name}: {path} is unreadable ({e}); refit it') from None
   if why:
-    raise common.SetupError(f'--router: {why}; score fewer batches (--batches) or refit '
+    raise common.SetupError(f'--{name}: {why}; score fewer batches (--batches) or refit '
                             'with a larger train_router --fit_from')
-  return router_lib.load(path)
+  return probe
 
 
 def _calibrated(opts: common.Options) -> dict:
@@ -163,8 +178,11 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   if bad:
     raise common.SetupError(f'--semantics: unknown {bad}; choose from parallel, cached')
   ld = common.load(opts)
-  probe = _router(opts, ld) if x.router else None
+  probe = _probe(opts, ld, 'router') if x.router else None
   extra = _calibrated(opts) if x.calibrated else {}
+  if x.kl_probe:
+    extra['kl_probe'] = frontier.Curve('kl_probe', x.eps_grid or analysis.default_grid(),
+                                       _probe(opts, ld, 'kl_probe'))
   res = frontier.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,

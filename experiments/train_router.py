@@ -1,7 +1,14 @@
-"""A2: train the oracle-labelled linear router on a frozen checkpoint.
+"""Fit a state probe on a frozen checkpoint: the A2 router, or the KL probe.
 
   python -m experiments.train_router --workdir=runs/tiny
   python -m experiments.sweep_eps --workdir=runs/tiny --router   # adds the A2 curve
+  python -m experiments.train_router --workdir=runs/tiny --probe=kl_probe
+  python -m experiments.sweep_eps --workdir=runs/tiny --kl_probe  # adds the kl_probe curve
+
+--probe=kl_probe fits `elastic_depth.kl_probe` instead (the model's own successive KL at
+every loop 2..R, regressed on the state change and the state; --probe_rank sets its
+rank) and writes <workdir>/kl_probe.json and reports/kl_probe.{json,md}: the held-out
+RMSE of log KL and the rank correlation with the true KL, beside the state change's.
 
 Labels come from the model itself: for token t at loop i, 1 if its argmax changes at a
 later loop up to R. Training pairs come from validation batches --fit_from ..
@@ -17,9 +24,8 @@ import os
 import jax
 from absl import app, flags
 
-from elastic_depth import reports, router
+from elastic_depth import kl_probe, reports, router
 from experiments import common
-
 
 
 @dataclasses.dataclass
@@ -30,6 +36,8 @@ class RouterOptions:
   max_pairs: int = 200_000   # (token, loop) pairs used to train
   fit_from: int = 8          # first validation batch fitted on (earlier ones: held out)
   fit_batches: int = 4       # validation batches fitted on
+  probe: str = 'router'      # 'router' (A2) or 'kl_probe'
+  rank: int = 32             # the KL probe's rank K
 
 
 STEPS = flags.DEFINE_integer('router_steps', RouterOptions.steps, 'Full-batch AdamW steps of '
@@ -42,6 +50,10 @@ FIT_FROM = flags.DEFINE_integer('fit_from', RouterOptions.fit_from, 'First valid
                                 'scores them).')
 FIT_BATCHES = flags.DEFINE_integer('fit_batches', RouterOptions.fit_batches, 'Validation '
                                    'batches the probe fits on.')
+PROBE = flags.DEFINE_enum('probe', RouterOptions.probe, ['router', 'kl_probe'], 'router: the '
+                          'A2 router (router.json); kl_probe: the KL probe (kl_probe.json).')
+RANK = flags.DEFINE_integer('probe_rank', RouterOptions.rank, 'Rank K of the KL probe.',
+                            lower_bound=1)
 
 
 def _reliability(fig, res) -> None:
@@ -69,15 +81,17 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
         f'--fit_batches={n_fit}; lower them (sweep_eps --batches must stay <= --fit_from) '
         'or enlarge the validation split')
   rng = jax.random.key(opts.seed)
+  b, l = ld.data.batch_size, ld.data.seq_len
+  fit = {'batches': list(range(first, first + n_fit)), 'batch_size': b, 'seq_len': l,
+         'tokens': router.batch_tokens(first, n_fit, b, l),
+         'data_config': dataclasses.asdict(ld.data_cfg)}
+  if x.probe == 'kl_probe':
+    return _run_kl_probe(opts, x, ld, rng, fit)
   fit_h = router.harvest(ld.model, ld.batches[first:], ld.r_max, rng, x.max_pairs)
   test_h = router.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs)
   probe = router.fit(fit_h, steps=x.steps, lr=x.lr)
   res = {'train': router.evaluate(probe, fit_h), 'heldout': router.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.labels_N))}
-  b, l = ld.data.batch_size, ld.data.seq_len
-  fit = {'batches': list(range(first, first + n_fit)), 'batch_size': b, 'seq_len': l,
-         'tokens': router.batch_tokens(first, n_fit, b, l),
-         'data_config': dataclasses.asdict(ld.data_cfg)}
   res['fit'] = fit
   path = os.path.join(opts.workdir, 'router.json')
   router.save(probe, path, fit)
@@ -96,7 +110,32 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   return {'results': res, 'paths': paths, 'router': path}
 
 
+def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict) -> dict:
+  """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
+  first = x.fit_from
+  fit_h = kl_probe.harvest(ld.model, ld.batches[first:], ld.r_max, rng, x.max_pairs)
+  test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs)
+  probe = kl_probe.fit(fit_h, rank=x.rank, steps=x.steps, lr=x.lr)
+  res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
+         'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit}
+  path = os.path.join(opts.workdir, 'kl_probe.json')
+  kl_probe.save(probe, path, fit)
+  md = ('| split | pairs | RMSE of log KL | Spearman(probe, KL) | Spearman(state change, KL) |\n'
+        '| --- | ---: | ---: | ---: | ---: |\n' +
+        ''.join(f"| {k} | {v['n']} | {v['rmse_log_kl']:.3f} | {v['spearman_probe']:.4f} | "
+                f"{v['spearman_state_change']:.4f} |\n"
+                for k, v in (('train', res['train']), ('held-out', res['heldout']))))
+  paths = reports.write(opts.workdir, common.report_name('kl_probe', opts), res,
+                        flags=common.flag_record(opts, ld, x), checkpoint=ld.checkpoint_info(),
+                        markdown=md)
+  h = res['heldout']
+  print(f"kl_probe (rank {x.rank}): held-out RMSE of log KL {h['rmse_log_kl']:.3f}, Spearman "
+        f"with KL {h['spearman_probe']:.4f} (state change {h['spearman_state_change']:.4f}); "
+        f"saved {path}; report {paths['md']}")
+  return {'results': res, 'paths': paths, 'router': path}
+
+
 if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
-      fit_batches=FIT_BATCHES.value)))
+      fit_batches=FIT_BATCHES.value, probe=PROBE.value, rank=RANK.value)))

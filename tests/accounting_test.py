@@ -86,8 +86,13 @@ def exit_cfg(policy, eps, **kw):
                            check_every=CHECK_EVERY, **kw)
 
 
-def _router(d):
+def _router(d, policy='router'):
+  """The state probe a policy reads: the A2 router, or a KL probe for kl_probe."""
   rs = np.random.default_rng(1)
+  if policy == 'kl_probe':
+    return policies.KLProbe(jnp.asarray(0.5 * rs.normal(size=(d, 3)), jnp.float32),
+                            jnp.asarray(0.2 * rs.normal(size=d), jnp.float32), jnp.float32(0.0),
+                            jnp.zeros(d), jnp.ones(d))
   return policies.Router(jnp.asarray(rs.normal(size=d), jnp.float32), jnp.float32(0.0),
                          jnp.zeros(d), jnp.ones(d))
 
@@ -103,17 +108,17 @@ def _between(x):
 
 
 @pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router',
-                                    'confidence'])
+                                    'confidence', 'kl_probe'])
 def test_scoring_counts_match_executed_work(mdl, events, policy):
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 40, (B, L)), jnp.int32)
   rng = jax.random.key(0)
-  router = _router(mdl.cfg.d_model)
+  router = _router(mdl.cfg.d_model, policy)
   probe = config.ExitConfig(policy='uniform', depth=R, max_loops=R)
   tr = jax.device_get(inference.score(mdl, toks, probe, rng, router=router, trace=True).traces)
   gate = _between(tr['delta'][MIN_LOOPS - 1:])
   stat = {'kl': tr['kl'], 'reverse_kl': tr['rkl'], 'state_delta': tr['delta'],
-          'router': tr['p_change'], 'gated_kl': np.where(tr['delta'] < gate, tr['kl'], np.inf),
-          'confidence': tr['conf']}[policy]
+          'router': tr.get('p_change'), 'gated_kl': np.where(tr['delta'] < gate, tr['kl'], np.inf),
+          'confidence': tr['conf'], 'kl_probe': tr.get('kl_hat')}[policy]
   # some tokens exit at each check (gated: where both the KL and the gate allow it)
   eps = _between((tr['kl'] if policy == 'gated_kl' else stat)[MIN_LOOPS - 1:])
   jax.effects_barrier()
@@ -181,7 +186,7 @@ def test_kernel_path_carries_the_hidden_state_and_counts_two_head_products(
 
 
 @pytest.mark.parametrize('policy', ['kl', 'gated_kl', 'reverse_kl', 'state_delta', 'router',
-                                    'confidence'])
+                                    'confidence', 'kl_probe'])
 def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
   """Compacted engine: per-token work equals the masked engine's; batch work is the slots.
 
@@ -190,11 +195,12 @@ def test_compacted_counts_are_the_slots_it_ran(mdl, policy):
   runs over all B x L tokens.
   """
   toks = jnp.asarray(np.random.default_rng(4).integers(0, 40, (B, L)), jnp.int32)
-  rng, router = jax.random.key(0), _router(mdl.cfg.d_model)
+  rng, router = jax.random.key(0), _router(mdl.cfg.d_model, policy)
   tr = jax.device_get(inference.score(mdl, toks, config.ExitConfig(
       policy='uniform', depth=R, max_loops=R), rng, router=router, trace=True).traces)
   stat = {'kl': tr['kl'], 'gated_kl': tr['kl'], 'reverse_kl': tr['rkl'],
-          'state_delta': tr['delta'], 'router': tr['p_change'], 'confidence': tr['conf']}[policy]
+          'state_delta': tr['delta'], 'router': tr.get('p_change'), 'confidence': tr['conf'],
+          'kl_probe': tr.get('kl_hat')}[policy]
   eps, gate = _between(stat[MIN_LOOPS - 1:]), _between(tr['delta'][MIN_LOOPS - 1:])
   out = {e: inference.score(mdl, toks, exit_cfg(policy, eps, gate=gate, engine=e), rng,
                             router=router).counts for e in ('masked', 'compacted')}

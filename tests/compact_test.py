@@ -15,7 +15,7 @@ from elastic_depth import (compaction, config, decoding, inference, model as mod
 
 B, L, R = 2, 8, 6
 STAT = {'kl': 'kl', 'reverse_kl': 'rkl', 'state_delta': 'delta', 'router': 'p_change',
-        'confidence': 'conf'}
+        'confidence': 'conf', 'kl_probe': 'kl_hat'}
 
 
 def _model(n_coda, attention='all'):
@@ -35,7 +35,14 @@ def setup():
   traces = {n: inference.score(m, toks, config.ExitConfig(policy='uniform', depth=R),
                                jax.random.key(0), router=router, trace=True).traces
             for n, m in models.items()}
-  return models, toks, router, traces
+  kl_probe = policies.KLProbe(jnp.asarray(0.3 * r.normal(size=(32, 4)), jnp.float32),
+                              jnp.asarray(0.3 * r.normal(size=32), jnp.float32),
+                              jnp.float32(0.5), jnp.zeros(32), jnp.ones(32))
+  for n, m in models.items():  # the KL probe's estimate beside the router's statistics
+    traces[n] = dict(traces[n], kl_hat=inference.score(
+        m, toks, config.ExitConfig(policy='uniform', depth=R), jax.random.key(0),
+        router=kl_probe, trace=True).traces['kl_hat'])
+  return models, toks, {'router': router, 'kl_probe': kl_probe}, traces
 
 
 def _ragged_eps(trace, policy, min_loops):
@@ -62,13 +69,13 @@ def _assert_same(ref, got):
 
 @pytest.mark.parametrize('policy,n_coda,min_loops,check_every', [
     ('kl', 2, 2, 2), ('reverse_kl', 1, 3, 1), ('state_delta', 1, 1, 2), ('router', 2, 2, 1),
-    ('confidence', 1, 1, 1)])
+    ('confidence', 1, 1, 1), ('kl_probe', 1, 1, 2)])
 def test_compacted_equals_masked(setup, policy, n_coda, min_loops, check_every):
-  models, toks, router, traces = setup
+  models, toks, probes, traces = setup
   eps = _ragged_eps(traces[n_coda], policy, min_loops)
   cfg = config.ExitConfig(policy=policy, eps=eps, min_loops=min_loops, max_loops=R,
                           check_every=check_every)
-  ref, got = _both(models[n_coda], toks, cfg, router if policy == 'router' else None)
+  ref, got = _both(models[n_coda], toks, cfg, probes.get(policy))
   depth = np.asarray(ref.aux.depth)
   assert len(np.unique(depth)) > 1 and depth.max() > min_loops  # ragged exits
   _assert_same(ref, got)
@@ -230,17 +237,17 @@ def _pooled(mdl, toks, cfg, router=None, **kw):
 
 @pytest.mark.parametrize('policy,n_coda,attention', [
     ('kl', 2, 'all'), ('reverse_kl', 1, 'all'), ('state_delta', 1, 'all'), ('router', 2, 'all'),
-    ('kl', 1, 'core')])
+    ('kl_probe', 2, 'all'), ('kl', 1, 'core')])
 def test_pooled_equals_masked(setup, policy, n_coda, attention):
   """Rows of different lengths of exit in one pool: a coda run on all tokens (two coda
   blocks), a compacted coda with attention (one), and a coda without attention."""
-  models, toks, router, traces = setup
+  models, toks, probes, traces = setup
   mdl = models[n_coda] if attention == 'all' else _model(n_coda, attention=attention)
   trace = traces[n_coda] if attention == 'all' else inference.score(
       mdl, toks, config.ExitConfig(policy='uniform', depth=R), jax.random.key(0),
       trace=True).traces
   cfg = config.ExitConfig(policy=policy, eps=_ragged_eps(trace, policy, 1), max_loops=R)
-  ref, got = _pooled(mdl, toks, cfg, router if policy == 'router' else None)
+  ref, got = _pooled(mdl, toks, cfg, probes.get(policy))
   assert len(np.unique(np.asarray(ref.aux.depth))) > 1
   _assert_same(ref, got)
   np.testing.assert_array_equal(np.asarray(got.aux.counts.depth), np.asarray(ref.aux.depth))

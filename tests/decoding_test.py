@@ -11,15 +11,20 @@ from elastic_depth import config, decoding, inference, model as model_lib
 R = 10
 
 
-def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None):
+def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None, probe=None,
+                 probe_stat=None):
   """Cached semantics per token: earlier tokens offer their last-loop kv in every block.
 
   With a gate (policy gated_kl) a token exits only where also ||s_i - s_{i-1}|| / ||s_i|| < gate.
+  With a KL probe (policy kl_probe, which also prefills the prompt) the statistic is
+  probe_stat(s_i, s_{i-1}) in float64 instead of the KL.
   """
   b, l = toks.shape
   cfg = config.ExitConfig(policy='kl' if gate is None else 'gated_kl', eps=eps,
                           max_loops=max_loops, gate=gate or 0.0)
-  cache, _, _ = decoding.prefill(mdl, toks[:, :prompt_len], cfg, rng, prompt_len)
+  if probe is not None:
+    cfg = config.ExitConfig(policy='kl_probe', eps=eps, max_loops=max_loops)
+  cache, _, _ = decoding.prefill(mdl, toks[:, :prompt_len], cfg, rng, prompt_len, probe)
   slots = lambda caches: [[tuple(decoding.token_slots(x, t) for x in c) for t in range(prompt_len)]
                           for c in caches]  # per block, per token: (k, v) [B, 1, G, K]
   pre, core, coda = slots(cache.prelude), slots(cache.core), slots(cache.coda)
@@ -54,6 +59,8 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None):
       h = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
       kl = kl_np(h[:, 0], h_prev[:, 0], w)[0]
       sn = np.asarray(s, np.float64)
+      if probe is not None:
+        kl = probe_stat(sn[:, 0], s_old[:, 0])[0]
       delta = np.linalg.norm(sn - s_old) / np.linalg.norm(sn)
       if i >= 2 and kl < eps and (gate is None or delta < gate):
         break

@@ -167,6 +167,28 @@ def test_router_is_fitted_on_batches_the_sweep_refuses_to_score(workdir):
                   sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
 
 
+def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
+  """train_router --probe=kl_probe then sweep_eps --kl_probe: the curve is scored in both
+  semantics, its books count the probe, and in-sample batches or a missing file are refused."""
+  with pytest.raises(common.SetupError, match='--kl_probe: no .*--probe=kl_probe'):
+    sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
+  out = train_router.run(_opts(workdir), train_router.RouterOptions(
+      steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe', rank=4))
+  res = _numbers(out['paths']['json'])
+  assert res['fit']['batches'] == [2] and out['router'].endswith('kl_probe.json')
+  assert -1 <= res['heldout']['spearman_probe'] <= 1
+  ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
+      eps_grid=[1e-3, 1.0], curves=('kl',), kl_probe=True, semantics=('parallel', 'cached'),
+      timing_repeats=0))['results']
+  for name in ('kl_probe', 'kl_probe@cached'):
+    assert ok['curves'][name]['probe_rank'] == 4
+    assert max(ok['check_books'][name]['cost']) > 0  # the probe runs at every loop
+  assert ok['curves']['kl']['probe_rank'] == -1
+  with pytest.raises(common.SetupError, match='kl_probe was fitted .* in-sample'):
+    sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
+                  sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
+
+
 def test_router_overlap_by_brute_force_over_windows():
   """Batches overlap iff they share a target position, whatever the batch shapes."""
   def targets(first, n, b, l):  # every target position of the windows, enumerated

@@ -1,0 +1,169 @@
+"""The KL probe: KL(p_i || p_{i-1}) estimated from the recurrent state, with no readout.
+
+An exit check that reads the output distribution pays a coda pass and a head product per
+read (2.1 core loops at the 135M blocks); the relative state change is free but exits
+other tokens than KL does. The probe is fitted on the frozen model's own per-loop KL:
+
+  log KL_i ~ log ||(s_i - s_{i-1}) A||^2 + x_i.w + b,   x_i = (s_i - mu) / sd,
+
+a rank-K quadratic form of the state change (what KL is to second order through a fixed
+readout Jacobian and Fisher) with a per-token scale read linearly off the state (how
+peaked p_i is). It costs ~2DK FLOPs per check (`policies.probe_flops`). Policy
+`kl_probe` exits where the estimate is below eps, in the same units as KL.
+"""
+
+import json
+import os
+from typing import Iterable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from elastic_depth import model as model_lib
+from elastic_depth.kernels import kl_halting
+from elastic_depth.policies import KLProbe, kl_probe_log, relative_change
+
+# KL below 1e-7 nats (under any threshold worth using; deep loops sit at the fp32 noise
+# floor) is censored: the fit asks only that the estimate be below it there.
+LOG_FLOOR = float(np.log(1e-7))
+
+
+class Harvest(NamedTuple):
+  """(token, loop) pairs from loops 2..R: the state change, the state and log KL."""
+  delta_NxD: np.ndarray  # s_i - s_{i-1}
+  states_NxD: np.ndarray  # s_i
+  log_kl_N: np.ndarray   # log KL(p_i || p_{i-1}), floored at LOG_FLOOR (censored there)
+  loops_N: np.ndarray    # the loop i of each pair (2..R)
+
+
+def _recorded_loop(r_max: int) -> model_lib.LoopFn:
+  """Loop policy: r_max loops, recording each loop's state and KL to the loop before."""
+  def loop(mdl, s0, inj, pos):
+    step = mdl.step_fn(inj, pos)
+    read = lambda s: mdl.logits(mdl.decode_state(s, pos)[0]).astype(jnp.float32)
+
+    def body(c, _):
+      s_old, a_old = c
+      s = step(s_old)
+      a = read(s)
+      flat = lambda x: x.reshape(-1, x.shape[-1])
+      kl = kl_halting.reference_kl_from_logits(flat(a), flat(a_old))[0].reshape(a.shape[:2])
+      return (s, a), (s.astype(jnp.float32), kl)
+    (s, _), aux = jax.lax.scan(body, (s0, read(s0)), None, length=r_max)
+    return s, aux
+  return loop
+
+
+def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
+            max_pairs: int = 100_000, seed: int = 0) -> Harvest:
+  """Runs every batch at uniform depth r_max and keeps the masked tokens' loops 2..R."""
+  @jax.jit
+  def run(inputs_BxL):
+    return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux  # [R, B, L, D], [R, B, L]
+
+  deltas, states, kls, loops = [], [], [], []
+  for b in batches:
+    s, kl = jax.device_get(run(b['inputs']))
+    keep = np.asarray(b['mask']) > 0
+    for i in range(1, r_max):
+      deltas.append(s[i][keep] - s[i - 1][keep])
+      states.append(s[i][keep])
+      kls.append(kl[i][keep])
+      loops.append(np.full(int(keep.sum()), i + 1))
+  d, x, k, l = (np.concatenate(v) for v in (deltas, states, kls, loops))
+  if len(k) > max_pairs:
+    idx = np.random.default_rng(seed).choice(len(k), max_pairs, replace=False)
+    d, x, k, l = d[idx], x[idx], k[idx], l[idx]
+  log_kl = np.log(np.maximum(k.astype(np.float64), np.exp(LOG_FLOOR))).astype(np.float32)
+  return Harvest(d, x, log_kl, l)
+
+
+def fit(h: Harvest, rank: int = 32, steps: int = 1000, lr: float = 3e-3,
+        seed: int = 0) -> KLProbe:
+  """Least squares on log KL, censored at LOG_FLOOR (full-batch Adam); A starts random, b
+  at the mean residual."""
+  d, x = jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)
+  y = jnp.asarray(h.log_kl_N)
+  mu, sd = x.mean(0), x.std(0) + 1e-6
+  dim = d.shape[1]
+  a0 = jax.random.normal(jax.random.key(seed), (dim, rank)) / np.sqrt(dim * rank)
+  probe = KLProbe(a0, jnp.zeros(dim), jnp.zeros(()), mu, sd)
+  probe = probe._replace(b=jnp.mean(y - _predict(probe, d, x)))
+  params = {'a': probe.a_DxK, 'w': probe.w_D, 'b': probe.b}
+  tx = optax.adam(lr)
+  opt = tx.init(params)
+
+  floored = y <= LOG_FLOOR
+
+  def loss_fn(p):
+    pred = _predict(KLProbe(p['a'], p['w'], p['b'], mu, sd), d, x)
+    err = jnp.where(floored, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
+    return jnp.mean(err * err)
+
+  @jax.jit
+  def step(p, o):
+    g = jax.grad(loss_fn)(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  for _ in range(steps):
+    params, opt = step(params, opt)
+  return KLProbe(params['a'], params['w'], params['b'], mu, sd)
+
+
+def _predict(probe: KLProbe, d_NxD, x_NxD):
+  """The probe's log KL for flat pairs (s_old = s_i - delta)."""
+  return kl_probe_log(probe, x_NxD[None], (x_NxD - d_NxD)[None])[0]
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+  """Ranks with ties averaged."""
+  _, inv, counts = np.unique(v, return_inverse=True, return_counts=True)
+  start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  return (start + 0.5 * (counts - 1))[inv]
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+  """Spearman rank correlation, ties averaged."""
+  return float(np.corrcoef(_ranks(np.asarray(a)), _ranks(np.asarray(b)))[0, 1])
+
+
+def evaluate(probe: KLProbe, h: Harvest) -> dict:
+  """How well the probe, and the relative state change for comparison, order the true KL
+  (censored at LOG_FLOOR: the estimate is floored there too; RMSE over pairs above it)."""
+  pred = np.asarray(_predict(probe, jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)))
+  x = jnp.asarray(h.states_NxD)[None]
+  change = np.asarray(relative_change(x, x - jnp.asarray(h.delta_NxD)[None])[0])
+  y = h.log_kl_N
+  above = y > LOG_FLOOR
+  return {'n': int(len(y)), 'share_floored': float(1.0 - above.mean()),
+          'rmse_log_kl': float(np.sqrt(np.mean((pred[above] - y[above]) ** 2))),
+          'spearman_probe': spearman(np.maximum(pred, LOG_FLOOR), y),
+          'spearman_state_change': spearman(change, y), 'rank': int(probe.a_DxK.shape[1])}
+
+
+def save(probe: KLProbe, path: str, fit_record: Optional[dict] = None) -> None:
+  """Writes the probe as JSON (D x K + 3 D numbers), with what it was fitted on."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  doc = {k: np.asarray(v).tolist() for k, v in probe._asdict().items()}
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump({**doc, 'fit': fit_record}, f)
+
+
+def load(path: str, d_model: Optional[int] = None) -> KLProbe:
+  """Reads a probe written by save(); ValueError if it does not fit a d_model-wide state."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no KL probe at {path}: run python -m experiments.train_router '
+                            '--probe=kl_probe --workdir=... first')
+  try:
+    with open(path, encoding='utf-8') as f:
+      doc = json.load(f)
+    probe = KLProbe(**{k: jnp.asarray(doc[k], jnp.float32) for k in KLProbe._fields})
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f'{path} is not a KL probe written by kl_probe.save: {e!r}') from None
+  dim = probe.a_DxK.shape[0]
+  if d_model is not None and dim != d_model:
+    raise ValueError(f'{path} was fitted on {dim}-wide states, the model has d_model={d_model}')
+  return probe

@@ -1,0 +1,164 @@
+"""The KL probe: its estimate against float64 numpy, the harvest against uniform-depth runs,
+the fit against a planted probe, and its exits against a brute-force loop in both semantics."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import exit_model_config, safe_eps
+from decoding_test import brute_cached
+from elastic_depth import books, config, decoding, inference, kl_probe, model as model_lib
+from elastic_depth import policies
+
+B, L, R = 2, 8, 5
+
+
+def probe_np(probe, s_new, s_old):
+  """The probe's KL estimate in float64."""
+  p = {k: np.asarray(v, np.float64) for k, v in probe._asdict().items()}
+  s, d = np.asarray(s_new, np.float64), np.asarray(s_new, np.float64) - np.asarray(s_old, np.float64)
+  q = d @ p['a_DxK']
+  return np.exp(np.log(np.sum(q * q, -1) + 1e-12) + ((s - p['mu_D']) / p['sd_D']) @ p['w_D']
+                + p['b'])
+
+
+def random_probe(d, k=4, seed=0, scale=1.0):
+  r = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+  return policies.KLProbe(scale * f(d, k), 0.3 * f(d), jnp.float32(0.5), 0.1 * f(d),
+                          jnp.asarray(0.5 + r.random(d), jnp.float32))
+
+
+def test_estimate_matches_float64_numpy():
+  probe = random_probe(16, 4)
+  r = np.random.default_rng(1)
+  s_new, s_old = r.normal(size=(2, 3, 16)), r.normal(size=(2, 3, 16))
+  got = np.exp(np.asarray(policies.kl_probe_log(probe, jnp.asarray(s_new, jnp.float32),
+                                                jnp.asarray(s_old, jnp.float32))))
+  np.testing.assert_allclose(got, probe_np(probe, s_new, s_old), rtol=2e-4)
+
+
+def test_probe_flops_match_xla_count():
+  """policies.probe_flops against XLA's compiled FLOP count of the estimate (15%: XLA
+  adds the log and exp)."""
+  d, k, n = 64, 16, 256
+  probe = random_probe(d, k)
+  x = jnp.ones((1, n, d), jnp.float32)
+  cost = jax.jit(lambda a, b: policies.kl_probe_log(probe, a, b)).lower(x, x).compile()
+  xla = cost.cost_analysis()
+  xla = (xla[0] if isinstance(xla, list) else xla)['flops'] / n
+  # XLA counts the change and the standardisation (3 d) that probe_flops books as the
+  # state change's (books.delta_flops) and its own
+  assert policies.probe_flops(k, d) == pytest.approx(xla, rel=0.15)
+  assert policies.probe_flops(policies.probe_rank(probe), d) == policies.probe_flops(k, d)
+  assert policies.probe_flops(-1, d) == 0
+
+
+def test_fit_recovers_a_planted_probe():
+  """Pairs whose log KL is a planted probe's estimate (plus noise): the fit predicts held-out
+  pairs to the noise level and orders them as the truth does."""
+  d, n = 12, 4000
+  truth = random_probe(d, 3, seed=3)
+  r = np.random.default_rng(4)
+  x = r.normal(size=(2 * n, d)).astype(np.float32)
+  delta = (r.normal(size=(2 * n, d)) * np.exp(r.normal(size=(2 * n, 1)))).astype(np.float32)
+  y = np.log(probe_np(truth, x, x - delta)) + 0.05 * r.normal(size=2 * n)
+  h = lambda sl: kl_probe.Harvest(delta[sl], x[sl], y[sl].astype(np.float32), np.full(n, 2))
+  probe = kl_probe.fit(h(slice(0, n)), rank=3, steps=1500, lr=1e-2)
+  ev = kl_probe.evaluate(probe, h(slice(n, 2 * n)))
+  assert ev['rmse_log_kl'] < 0.15
+  assert ev['spearman_probe'] > 0.99
+
+
+@pytest.fixture(scope='module')
+def setup(make_config, make_batch):
+  cfg = make_config(model=dict(n_core=1, init_std=0.1), train=dict(batch_size=B, seq_len=L))
+  mdl = model_lib.LoopedLM(cfg.model, nnx.Rngs(5))
+  batches = [make_batch(cfg, seed, mask_frac=0.25) for seed in (1, 2)]
+  return mdl, batches, jax.random.key(2)
+
+
+def test_harvest_equals_the_engines_per_loop_trace(setup):
+  """The harvest's (change, state, log KL) at loops 2..R against the masked engine's trace of
+  a uniform run (its own KL and relative state change per loop), unpadded tokens only."""
+  mdl, batches, rng = setup
+  h = kl_probe.harvest(mdl, batches, R, rng)
+  kls, deltas = [], []
+  for b in batches:
+    tr = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
+        policy='uniform', depth=R), rng, trace=True).traces
+    keep = b['mask'] > 0
+    for i in range(1, R):
+      kls.append(np.asarray(tr['kl'][i])[keep])
+      deltas.append(np.asarray(tr['delta'][i])[keep])
+  want = np.maximum(np.log(np.concatenate(kls)), kl_probe.LOG_FLOOR)
+  np.testing.assert_allclose(h.log_kl_N, want, atol=1e-3, rtol=1e-3)
+  change = np.linalg.norm(h.delta_NxD, axis=-1) / np.linalg.norm(h.states_NxD, axis=-1)
+  np.testing.assert_allclose(change, np.concatenate(deltas), rtol=1e-4)
+  assert sorted(set(h.loops_N)) == list(range(2, R + 1))
+
+
+def test_save_load_and_bad_files(tmp_path):
+  probe = random_probe(8, 2)
+  path = str(tmp_path / 'kl_probe.json')
+  kl_probe.save(probe, path, {'tokens': [1, 9]})
+  back = kl_probe.load(path, 8)
+  for a, b in zip(probe, back):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match='8-wide states, the model has d_model=16'):
+    kl_probe.load(path, 16)
+  with pytest.raises(FileNotFoundError, match='--probe=kl_probe'):
+    kl_probe.load(str(tmp_path / 'none.json'))
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump({'w_D': [1.0]}, f)
+  with pytest.raises(ValueError, match='not a KL probe'):
+    kl_probe.load(path)
+
+
+def test_policy_needs_its_probe():
+  with pytest.raises(ValueError, match='kl_probe needs a policies.KLProbe'):
+    policies.make_check_fn('kl_probe', eps=0.1)
+  router = policies.Router(jnp.ones(4), jnp.float32(0), jnp.zeros(4), jnp.ones(4))
+  with pytest.raises(ValueError, match='kl_probe needs a policies.KLProbe, got Router'):
+    policies.make_check_fn('kl_probe', eps=0.1, router=router)
+
+
+def test_exits_match_brute_force_in_cached_and_parallel_semantics():
+  """kl_probe: exit where the float64 estimate < eps, token by token (cached) and, at the
+  first loop any token may exit, in parallel scoring (until then every state is the
+  uniform run's)."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(11))
+  rng = jax.random.key(0)
+  toks = jnp.asarray([[3, 17, 5, 9, 30, 2, 44, 8, 12]], jnp.int32)
+  probe = random_probe(mdl.cfg.d_model, 4, seed=7, scale=0.3)
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
+                       router=probe, trace=True).traces
+  eps = safe_eps(list(np.asarray(tr['kl_hat'])))
+  cfg = config.ExitConfig(policy='kl_probe', eps=eps, max_loops=R)
+  logits, depth, _ = jax.jit(lambda t: decoding.score_cached(mdl, t, 3, cfg, rng, probe))(toks)
+  ref_logits, ref_depth = brute_cached(mdl, toks, 3, eps, R, rng, probe=probe,
+                                       probe_stat=lambda s, s_old: probe_np(probe, s, s_old))
+  np.testing.assert_array_equal(np.asarray(depth), ref_depth)
+  assert len(np.unique(ref_depth)) > 1
+  np.testing.assert_allclose(np.asarray(logits[:, 1:]), ref_logits[:, :-1], atol=1e-5, rtol=1e-5)
+  ok = np.asarray(tr['kl_hat']) < eps
+  ok[0] = False
+  k = int(np.argmax(ok.reshape(R, -1).any(1)))
+  assert ok[k].any() and not ok[k].all()
+  par = np.asarray(inference.score(mdl, toks, cfg, rng, router=probe).depth)
+  np.testing.assert_array_equal(par == k + 1, ok[k])
+  assert np.all(par[~ok[k]] > k + 1)
+
+
+def test_books_count_the_probe_every_loop():
+  """check_cost adds the probe's FLOPs once per loop: the difference from no probe is
+  probe_flops / loop FLOPs, whatever the loops and readouts."""
+  mcfg = exit_model_config()
+  base = books.check_cost(mcfg, 4.0, 1.0, 1.0, 16)
+  with_probe = books.check_cost(mcfg, 4.0, 1.0, 1.0, 16, probe_rank=8)
+  loop = model_lib.flops_per_token(mcfg, 0, 16)['loop']
+  assert with_probe - base == pytest.approx(policies.probe_flops(8, mcfg.d_model) / loop)
