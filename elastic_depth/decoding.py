@@ -118,11 +118,15 @@ def initial_states(model: LoopedLM, rng, length: int) -> jax.Array:
 
 
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
-                router=None, with_counts: bool = False, init_table=None):
-  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]).
+                router=None, with_counts: bool = False, init_table=None,
+                trace: bool = False):
+  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]
+  [, traces]).
 
   init_table: `initial_states(model, rng, S)`, to read the token's initial state from
   (else drawn here).
+  trace: also return the check's statistics at every loop, the states included
+  (`policies.make_check_fn`'s trace: kl, delta, ..., state; [R, B, 1(, D)]).
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
@@ -146,7 +150,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   def readout(s):
     return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
 
-  fast = cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None
+  fast = cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None and not trace
   if fast:
     check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
   else:
@@ -154,11 +158,13 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
         cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
         w_VxD=model.head_weight(), router=router, use_kernel=cfg.use_kernel,
         min_loops=cfg.min_loops, check_every=cfg.check_every,
-        max_loops=inference.loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth)
+        max_loops=inference.loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth,
+        trace=trace, trace_states=trace)
     carry = carry0(s0)
   res = recurrence.early_exit(
       masked_step, check_fn, s0, cache.core, carry, min_loops=cfg.min_loops,
-      max_loops=inference.loop_cap(cfg), check_every=cfg.check_every, return_check=True)
+      max_loops=inference.loop_cap(cfg), check_every=cfg.check_every, return_check=True,
+      trace=trace)
 
   cache_len = cache.core[0][0].shape[2] if cache.core else 0  # `attend` reads every slot
 
@@ -178,7 +184,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
                      cache.coda)
   pre_kv = keep_kv(model.prelude, pre_kv, cache.prelude)
   out = (logits, Cache(pre_kv, list(res.kv), coda), res.depth[:, 0])
-  return out + (counts,) if with_counts else out
+  return out + (counts,) * with_counts + (res.traces,) * trace
 
 
 def _gated_kl_check(model: LoopedLM, cache: Cache, pos, cfg: ExitConfig, batch: int):

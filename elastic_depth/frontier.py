@@ -151,6 +151,7 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
           state_delta_grid: Optional[Sequence[float]] = None,
           router: Optional[policies.Router] = None,
           router_grid: Optional[Sequence[float]] = None,
+          kl_probes: Optional[Mapping[str, policies.KLProbe]] = None,
           extra_curves: Optional[Mapping[str, Curve]] = None,
           semantics: Sequence[str] = ('parallel',), gate: Optional[float] = None,
           trace: Optional[Trace] = None, timing_repeats: int = 3,
@@ -168,6 +169,8 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
       'confidence' (1 - max_v p_i(v) < eps, thresholds 1e-4..0.5).
     state_delta_grid: thresholds of 'state_delta' (default 1e-4..1).
     router: an A2 probe; adds the 'router' curve over router_grid (default 0.05..0.95).
+    kl_probes: {semantics: KLProbe fitted in it}; adds the 'kl_probe' curve over eps_grid,
+      scored in each semantics with that semantics' probe (one for each is needed).
     extra_curves: {name: Curve} scored the same way (e.g. later probes).
     semantics: Semantics values; every curve is scored in each ('cached' curves are
       named '<curve>@cached' and judged against A0 in cached semantics, 'a0_cached').
@@ -197,9 +200,16 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
   if router is not None:
     specs['router'] = Curve('router', router_grid or [float(x) for x in
                                                       np.linspace(0.05, 0.95, 10)], router)
+  if kl_probes:
+    missing = sorted(x.value for x in sems if x.value not in kl_probes)
+    if missing:
+      raise ValueError(f'kl_probe curve: no probe fitted in semantics {missing}')
+    specs['kl_probe'] = Curve('kl_probe', grids['kl'])
   specs.update(extra_curves or {})
   specs = _variants(specs, sems, check_every=check_every, min_loops=min_loops,
                     patience=patience, eps_growth=eps_growth)
+  specs = {n: c._replace(router=kl_probes[Semantics(c.semantics).value])
+           if c.policy == 'kl_probe' and kl_probes else c for n, c in specs.items()}
   a0 = uniform_curve(trace, model.cfg)
   out = {'r_max': r_max, 'ref_depth': float(ref_depth), 'delta': float(delta), 'gate': gate,
          'tokens': int((trace.mask > 0).sum()), 'a0': a0, 'curves': {}, 'headline': {}}

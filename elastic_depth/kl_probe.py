@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_depth import model as model_lib
+from elastic_depth import decoding, model as model_lib
+from elastic_depth.config import ExitConfig, Semantics
 from elastic_depth.kernels import kl_halting
 from elastic_depth.policies import KLProbe, kl_probe_log, relative_change
 
@@ -57,27 +58,67 @@ def _recorded_loop(r_max: int) -> model_lib.LoopFn:
 
 
 def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
-            max_pairs: int = 100_000, seed: int = 0) -> Harvest:
-  """Runs every batch at uniform depth r_max and keeps the masked tokens' loops 2..R."""
-  @jax.jit
-  def run(inputs_BxL):
-    return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux  # [R, B, L, D], [R, B, L]
+            max_pairs: int = 100_000, seed: int = 0,
+            semantics: Semantics = Semantics.PARALLEL) -> Harvest:
+  """Every batch at uniform depth r_max; the masked tokens' loops 2..R as pairs.
 
-  deltas, states, kls, loops = [], [], [], []
+  Parallel semantics: one forward per batch (`_recorded_loop`). Cached semantics: token
+  by token through `decoding.decode_step` (its trace), each token after the tokens
+  before it ran r_max loops and offer their last loop's keys/values; position 0 is
+  prefilled and gives no pairs.
+  """
+  run = {Semantics.PARALLEL: _parallel_run, Semantics.CACHED: _cached_run}[Semantics(semantics)]
+  fn = run(mdl, r_max, rng)
+  states, kls = [], []
   for b in batches:
-    s, kl = jax.device_get(run(b['inputs']))
-    keep = np.asarray(b['mask']) > 0
-    for i in range(1, r_max):
-      deltas.append(s[i][keep] - s[i - 1][keep])
-      states.append(s[i][keep])
-      kls.append(kl[i][keep])
-      loops.append(np.full(int(keep.sum()), i + 1))
-  d, x, k, l = (np.concatenate(v) for v in (deltas, states, kls, loops))
+    s_RxBxLxD, kl_RxBxL, keep_BxL = fn(b)
+    states.append(s_RxBxLxD[:, keep_BxL])
+    kls.append(kl_RxBxL[:, keep_BxL])
+  s, k = np.concatenate(states, 1), np.concatenate(kls, 1)  # [R, N, D], [R, N]
+  d = (s[1:] - s[:-1]).reshape(-1, s.shape[-1])
+  x, k = s[1:].reshape(-1, s.shape[-1]), k[1:].reshape(-1)
+  l = np.repeat(np.arange(2, r_max + 1), s.shape[1])
   if len(k) > max_pairs:
     idx = np.random.default_rng(seed).choice(len(k), max_pairs, replace=False)
     d, x, k, l = d[idx], x[idx], k[idx], l[idx]
   log_kl = np.log(np.maximum(k.astype(np.float64), np.exp(LOG_FLOOR))).astype(np.float32)
   return Harvest(d, x, log_kl, l)
+
+
+def _parallel_run(mdl, r_max: int, rng):
+  """batch -> (states [R, B, L, D], KL [R, B, L], mask [B, L]) of one uniform forward."""
+  @jax.jit
+  def run(inputs_BxL):
+    return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux
+
+  def fn(b):
+    s, kl = jax.device_get(run(b['inputs']))
+    return s, kl, np.asarray(b['mask']) > 0
+  return fn
+
+
+def _cached_run(mdl, r_max: int, rng):
+  """batch -> (states, KL, mask) decoded token by token at uniform depth r_max."""
+  cfg = ExitConfig(policy='uniform', depth=r_max, max_loops=r_max)
+
+  @jax.jit
+  def step(cache, tok_B, pos):
+    _, cache, _, tr = decoding.decode_step(mdl, cache, tok_B, pos, cfg, rng, trace=True)
+    return cache, tr['state'][:, :, 0], tr['kl'][:, :, 0]  # [R, B, D], [R, B]
+
+  def fn(b):
+    toks = jnp.asarray(b['inputs'], jnp.int32)
+    n, length = toks.shape
+    cache, _, _ = decoding.prefill(mdl, toks[:, :1], cfg, rng, length)
+    s = np.zeros((r_max, n, length, mdl.cfg.d_model), np.float32)
+    kl = np.zeros((r_max, n, length), np.float32)
+    for t in range(1, length):
+      cache, st, k = step(cache, toks[:, t], jnp.int32(t))
+      s[:, :, t], kl[:, :, t] = jax.device_get((st, k))
+    keep = np.asarray(b['mask']) > 0
+    keep[:, 0] = False  # prefilled
+    return s, kl, keep
+  return fn
 
 
 def fit(h: Harvest, rank: int = 32, steps: int = 1000, lr: float = 3e-3,
@@ -142,6 +183,12 @@ def evaluate(probe: KLProbe, h: Harvest) -> dict:
           'rmse_log_kl': float(np.sqrt(np.mean((pred[above] - y[above]) ** 2))),
           'spearman_probe': spearman(np.maximum(pred, LOG_FLOOR), y),
           'spearman_state_change': spearman(change, y), 'rank': int(probe.a_DxK.shape[1])}
+
+
+def file_name(semantics) -> str:
+  """The workdir file (no .json) of the probe fitted in a semantics: kl_probe[_cached]."""
+  return {Semantics.PARALLEL: 'kl_probe', Semantics.CACHED: 'kl_probe_cached'}[
+      Semantics(semantics)]
 
 
 def save(probe: KLProbe, path: str, fit_record: Optional[dict] = None) -> None:

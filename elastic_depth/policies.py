@@ -295,7 +295,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
                   targets_BxL: Optional[jax.Array] = None, use_kernel: bool = False,
                   trace: bool = False, min_loops: int = 1, check_every: int = 1,
                   gate: float = 0.0, max_loops: Optional[int] = None, patience: int = 1,
-                  eps_growth: float = 1.0):
+                  eps_growth: float = 1.0, trace_states: bool = False):
   """Builds (check_fn, carry0_fn) for `recurrence.early_exit`.
 
   KL criteria run a readout only at the loops whose p_i a check reads (check loops
@@ -320,6 +320,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
     patience: state_delta exits once the change has been below eps at this many
       consecutive loops from loop 2 on (the run is carried per token).
     eps_growth: the threshold at loop i is eps * eps_growth^(i - 2) (`threshold`).
+    trace_states: with trace, also record s_i itself (stats 'state', [B, L, D] fp32).
   Returns:
     check_fn and carry0_fn(s0) -> initial CheckCarry.
   """
@@ -353,6 +354,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
         stats['conf'] = st['conf']
       if trace and targets_BxL is not None:
         stats['nll'] = st['lse'] - st['logit_t']
+      if trace and trace_states:
+        stats['state'] = s_new.astype(jnp.float32)
     stats.update(_probe_stats(router, s_new, s_old))
     if patient:
       run = run_below(stats['delta'], eps, i, carry.prev, active)

@@ -100,7 +100,7 @@ def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0:
     max_loops: hard cap.
     check_every: the criterion is consulted at loops min_loops, min_loops + n, ...
     active0: optional initial mask (e.g. padding positions start inactive).
-    trace: record check_fn's stats at every loop (shape [max_loops, B, L]).
+    trace: record check_fn's stats at every loop (shape [max_loops, B, L, ...]).
     return_check: also return check_fn's final carry.
   Returns:
     ExitResult.
@@ -109,7 +109,7 @@ def early_exit(masked_step_fn: Callable, check_fn: Callable, s0: jax.Array, kv0:
   active = jnp.ones((b, l), bool) if active0 is None else active0
   depth = jnp.zeros((b, l), jnp.int32)
   _, _, stats_shape = jax.eval_shape(check_fn, s0, s0, check0, jnp.int32(1), active)
-  traces = {k: jnp.zeros((max_loops if trace else 0, b, l), v.dtype)
+  traces = {k: jnp.zeros((max_loops if trace else 0,) + v.shape, v.dtype)
             for k, v in stats_shape.items()}
 
   def cond(c):

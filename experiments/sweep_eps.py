@@ -9,7 +9,7 @@ token by token), and the @cached curves are judged against it.
   python -m experiments.sweep_eps --workdir=runs/ts --eps_grid=1e-5,1e-4,1e-3 \
       --curves=kl,reverse_kl,state_delta --delta=0.02
   python -m experiments.sweep_eps --workdir=runs/tiny --curves=kl,state_delta --kl_probe \
-      --semantics=parallel,cached   # after train_router --probe=kl_probe
+      --semantics=parallel,cached   # after train_router --probe=kl_probe, once per semantics
 
 Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
@@ -22,7 +22,7 @@ from typing import Optional
 import jax
 from absl import app, flags
 
-from elastic_depth import analysis, books, frontier, kl_probe, reports
+from elastic_depth import books, frontier, kl_probe, reports
 from elastic_depth import router as router_lib
 from elastic_depth.config import Semantics
 from experiments import common, flags_util
@@ -38,7 +38,7 @@ class SweepOptions:
   state_delta_grid: Optional[list[float]] = None
   router: bool = False                            # add the A2 curve from router.json
   router_grid: Optional[list[float]] = None
-  kl_probe: bool = False                          # add the kl_probe curve from kl_probe.json
+  kl_probe: bool = False                          # add kl_probe (kl_probe[_cached].json)
   semantics: tuple[str, ...] = ('parallel',)      # parallel (score), cached (decode_step)
   calibrated: bool = True                         # mark calibrate_eps's eps if chosen
   timing_repeats: int = 3                         # time each best point against A0
@@ -60,9 +60,11 @@ ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/rou
                            '(python -m experiments.train_router); refused if the router '
                            'was fitted on batches this sweep scores.')
 KL_PROBE = flags.DEFINE_bool('kl_probe', False, 'Add the kl_probe curve (the KL estimated '
-                             'from the state, no readout; thresholds: --eps_grid) from '
-                             '<workdir>/kl_probe.json (train_router --probe=kl_probe); refused '
-                             'if the probe was fitted on batches this sweep scores.')
+                             'from the state, no readout; thresholds: --eps_grid), scored in '
+                             'each --semantics with the probe fitted in it: '
+                             '<workdir>/kl_probe.json (parallel) and kl_probe_cached.json '
+                             '(train_router --probe=kl_probe [--probe_semantics=cached]); '
+                             'refused if a probe was fitted on batches this sweep scores.')
 CALIBRATED = flags.DEFINE_bool('calibrated', True, 'Mark the eps chosen by '
                                'experiments.calibrate_eps (reports/calibrate_eps[_TAG].json) '
                                'on the frontier when that report exists.')
@@ -128,23 +130,25 @@ def _positive_ints(xs, name: str) -> tuple[int, ...]:
 
 
 def _probe(opts: common.Options, ld: common.Loaded, name: str):
-  """The workdir's state probe `name` (router, kl_probe); SetupError if it is missing,
-  unreadable or saw any batch scored here."""
+  """The workdir's state probe `name` (router, or a kl_probe file); SetupError if it is
+  missing, unreadable or saw any batch scored here."""
   path = os.path.join(opts.workdir, f'{name}.json')
-  fit_flag = '' if name == 'router' else ' --probe=kl_probe'
+  fit_flag = {'router': '', 'kl_probe': ' --probe=kl_probe',
+              'kl_probe_cached': ' --probe=kl_probe --probe_semantics=cached'}[name]
+  flag = 'router' if name == 'router' else 'kl_probe'
   if not os.path.exists(path):
-    raise common.SetupError(f'--{name}: no {path}; run python -m experiments.train_router'
+    raise common.SetupError(f'--{flag}: no {path}; run python -m experiments.train_router'
                             f'{fit_flag} --workdir={opts.workdir} first')
   tokens = router_lib.batch_tokens(0, len(ld.batches), ld.data.batch_size, ld.data.seq_len)
   try:
     why = router_lib.overlap_error(router_lib.load_fit(path),
-                                   dataclasses.asdict(ld.data_cfg), tokens, name)
+                                   dataclasses.asdict(ld.data_cfg), tokens, flag)
     probe = (router_lib.load(path) if name == 'router' else
              kl_probe.load(path, ld.model.cfg.d_model))
   except (ValueError, KeyError, TypeError) as e:
-    raise common.SetupError(f'--{name}: {path} is unreadable ({e}); refit it') from None
+    raise common.SetupError(f'--{flag}: {path} is unreadable ({e}); refit it') from None
   if why:
-    raise common.SetupError(f'--{name}: {why}; score fewer batches (--batches) or refit '
+    raise common.SetupError(f'--{flag}: {why}; score fewer batches (--batches) or refit '
                             'with a larger train_router --fit_from')
   return probe
 
@@ -180,13 +184,13 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   ld = common.load(opts)
   probe = _probe(opts, ld, 'router') if x.router else None
   extra = _calibrated(opts) if x.calibrated else {}
-  if x.kl_probe:
-    extra['kl_probe'] = frontier.Curve('kl_probe', x.eps_grid or analysis.default_grid(),
-                                       _probe(opts, ld, 'kl_probe'))
+  kl_probes = ({sem: _probe(opts, ld, kl_probe.file_name(sem)) for sem in x.semantics}
+               if x.kl_probe else None)
   res = frontier.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                        ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
-                       router=probe, router_grid=x.router_grid, semantics=x.semantics,
+                       router=probe, router_grid=x.router_grid, kl_probes=kl_probes,
+                       semantics=x.semantics,
                        extra_curves=extra, timing_repeats=x.timing_repeats,
                        check_every=x.check_every, min_loops=x.min_loops,
                        patience=x.patience, eps_growth=x.eps_growth, progress=opts.progress)

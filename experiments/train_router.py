@@ -7,8 +7,10 @@
 
 --probe=kl_probe fits `elastic_depth.kl_probe` instead (the model's own successive KL at
 every loop 2..R, regressed on the state change and the state; --probe_rank sets its
-rank) and writes <workdir>/kl_probe.json and reports/kl_probe.{json,md}: the held-out
-RMSE of log KL and the rank correlation with the true KL, beside the state change's.
+rank), harvested in --probe_semantics (parallel: one uniform-depth forward; cached:
+token by token through decode_step), and writes <workdir>/kl_probe.json or
+kl_probe_cached.json and reports/kl_probe[_cached].{json,md}: the held-out RMSE of log
+KL and the rank correlation with the true KL, beside the state change's.
 
 Labels come from the model itself: for token t at loop i, 1 if its argmax changes at a
 later loop up to R. Training pairs come from validation batches --fit_from ..
@@ -38,6 +40,7 @@ class RouterOptions:
   fit_batches: int = 4       # validation batches fitted on
   probe: str = 'router'      # 'router' (A2) or 'kl_probe'
   rank: int = 32             # the KL probe's rank K
+  semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
 
 
 STEPS = flags.DEFINE_integer('router_steps', RouterOptions.steps, 'Full-batch AdamW steps of '
@@ -54,6 +57,9 @@ PROBE = flags.DEFINE_enum('probe', RouterOptions.probe, ['router', 'kl_probe'], 
                           'A2 router (router.json); kl_probe: the KL probe (kl_probe.json).')
 RANK = flags.DEFINE_integer('probe_rank', RouterOptions.rank, 'Rank K of the KL probe.',
                             lower_bound=1)
+SEMANTICS = flags.DEFINE_enum('probe_semantics', RouterOptions.semantics, ['parallel', 'cached'],
+                              'The semantics the KL probe is fitted (and used) in: '
+                              'kl_probe.json or kl_probe_cached.json.')
 
 
 def _reliability(fig, res) -> None:
@@ -113,23 +119,28 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
 def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict) -> dict:
   """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
   first = x.fit_from
-  fit_h = kl_probe.harvest(ld.model, ld.batches[first:], ld.r_max, rng, x.max_pairs)
-  test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs)
+  sem = x.semantics
+  fit_h = kl_probe.harvest(ld.model, ld.batches[first:], ld.r_max, rng, x.max_pairs,
+                           semantics=sem)
+  test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
+                            semantics=sem)
   probe = kl_probe.fit(fit_h, rank=x.rank, steps=x.steps, lr=x.lr)
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
-         'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit}
-  path = os.path.join(opts.workdir, 'kl_probe.json')
+         'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
+         'semantics': sem}
+  name = kl_probe.file_name(sem)
+  path = os.path.join(opts.workdir, f'{name}.json')
   kl_probe.save(probe, path, fit)
   md = ('| split | pairs | RMSE of log KL | Spearman(probe, KL) | Spearman(state change, KL) |\n'
         '| --- | ---: | ---: | ---: | ---: |\n' +
         ''.join(f"| {k} | {v['n']} | {v['rmse_log_kl']:.3f} | {v['spearman_probe']:.4f} | "
                 f"{v['spearman_state_change']:.4f} |\n"
                 for k, v in (('train', res['train']), ('held-out', res['heldout']))))
-  paths = reports.write(opts.workdir, common.report_name('kl_probe', opts), res,
+  paths = reports.write(opts.workdir, common.report_name(name, opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=ld.checkpoint_info(),
                         markdown=md)
   h = res['heldout']
-  print(f"kl_probe (rank {x.rank}): held-out RMSE of log KL {h['rmse_log_kl']:.3f}, Spearman "
+  print(f"{name} (rank {x.rank}, {sem} semantics): held-out RMSE of log KL {h['rmse_log_kl']:.3f}, Spearman "
         f"with KL {h['spearman_probe']:.4f} (state change {h['spearman_state_change']:.4f}); "
         f"saved {path}; report {paths['md']}")
   return {'results': res, 'paths': paths, 'router': path}
@@ -138,4 +149,5 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict) ->
 if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
-      fit_batches=FIT_BATCHES.value, probe=PROBE.value, rank=RANK.value)))
+      fit_batches=FIT_BATCHES.value, probe=PROBE.value, rank=RANK.value,
+      semantics=SEMANTICS.value)))

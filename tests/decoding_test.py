@@ -12,12 +12,13 @@ R = 10
 
 
 def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None, probe=None,
-                 probe_stat=None):
+                 probe_stat=None, record=None):
   """Cached semantics per token: earlier tokens offer their last-loop kv in every block.
 
   With a gate (policy gated_kl) a token exits only where also ||s_i - s_{i-1}|| / ||s_i|| < gate.
   With a KL probe (policy kl_probe, which also prefills the prompt) the statistic is
-  probe_stat(s_i, s_{i-1}) in float64 instead of the KL.
+  probe_stat(s_i, s_{i-1}) in float64 instead of the KL. record (a dict) collects each
+  token's per-loop KL and state: record['kl'][t] [R], record['state'][t] [R, D].
   """
   b, l = toks.shape
   cfg = config.ExitConfig(policy='kl' if gate is None else 'gated_kl', eps=eps,
@@ -51,6 +52,7 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None, probe=No
     s = mdl.initial_state(e, rng, p)
     h_prev = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
     d = 0
+    kls, states = [], []
     for i in range(1, max_loops + 1):
       x = jnp.einsum('BLC,CD->BLD', jnp.concatenate([s, e], -1), mdl.adapter_2DxD[...])
       s_old = np.asarray(s, np.float64)
@@ -59,12 +61,17 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None, probe=No
       h = mdl.final_norm(run(mdl.coda, coda, s, p, False)[0])
       kl = kl_np(h[:, 0], h_prev[:, 0], w)[0]
       sn = np.asarray(s, np.float64)
+      kls.append(kl)
+      states.append(sn[0, 0])
       if probe is not None:
         kl = probe_stat(sn[:, 0], s_old[:, 0])[0]
       delta = np.linalg.norm(sn - s_old) / np.linalg.norm(sn)
       if i >= 2 and kl < eps and (gate is None or delta < gate):
         break
       h_prev = h
+    if record is not None:
+      record.setdefault('kl', []).append(np.asarray(kls))
+      record.setdefault('state', []).append(np.stack(states))
     for j, kv in enumerate(last_kv):
       core[j].append(kv)
     hf, _ = run(mdl.coda, coda, s, p, True)

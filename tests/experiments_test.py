@@ -172,11 +172,15 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   semantics, its books count the probe, and in-sample batches or a missing file are refused."""
   with pytest.raises(common.SetupError, match='--kl_probe: no .*--probe=kl_probe'):
     sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
-  out = train_router.run(_opts(workdir), train_router.RouterOptions(
-      steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe', rank=4))
-  res = _numbers(out['paths']['json'])
-  assert res['fit']['batches'] == [2] and out['router'].endswith('kl_probe.json')
-  assert -1 <= res['heldout']['spearman_probe'] <= 1
+  for sem, rank in (('parallel', 4), ('cached', 4)):
+    out = train_router.run(_opts(workdir), train_router.RouterOptions(
+        steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe',
+        rank=rank, semantics=sem))
+    res = _numbers(out['paths']['json'])
+    assert res['fit']['batches'] == [2] and res['semantics'] == sem
+    assert out['router'].endswith({'parallel': 'kl_probe.json',
+                                   'cached': 'kl_probe_cached.json'}[sem])
+    assert -1 <= res['heldout']['spearman_probe'] <= 1
   ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3, 1.0], curves=('kl',), kl_probe=True, semantics=('parallel', 'cached'),
       timing_repeats=0))['results']

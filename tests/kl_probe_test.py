@@ -87,19 +87,37 @@ def test_harvest_equals_the_engines_per_loop_trace(setup):
   a uniform run (its own KL and relative state change per loop), unpadded tokens only."""
   mdl, batches, rng = setup
   h = kl_probe.harvest(mdl, batches, R, rng)
-  kls, deltas = [], []
+  kls, deltas = [], []  # [R, tokens] per batch
   for b in batches:
     tr = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
         policy='uniform', depth=R), rng, trace=True).traces
     keep = b['mask'] > 0
-    for i in range(1, R):
-      kls.append(np.asarray(tr['kl'][i])[keep])
-      deltas.append(np.asarray(tr['delta'][i])[keep])
-  want = np.maximum(np.log(np.concatenate(kls)), kl_probe.LOG_FLOOR)
+    kls.append(np.asarray(tr['kl'])[:, keep])
+    deltas.append(np.asarray(tr['delta'])[:, keep])
+  kl, delta = np.concatenate(kls, 1), np.concatenate(deltas, 1)
+  want = np.maximum(np.log(kl[1:].ravel()), kl_probe.LOG_FLOOR)  # loops 2..R
   np.testing.assert_allclose(h.log_kl_N, want, atol=1e-3, rtol=1e-3)
   change = np.linalg.norm(h.delta_NxD, axis=-1) / np.linalg.norm(h.states_NxD, axis=-1)
-  np.testing.assert_allclose(change, np.concatenate(deltas), rtol=1e-4)
-  assert sorted(set(h.loops_N)) == list(range(2, R + 1))
+  np.testing.assert_allclose(change, delta[1:].ravel(), rtol=1e-4)
+  np.testing.assert_array_equal(h.loops_N, np.repeat(np.arange(2, R + 1), kl.shape[1]))
+
+
+def test_cached_harvest_equals_brute_force_cached_decoding(setup):
+  """Cached semantics: each token's per-loop KL and state, decoded after the tokens before
+  it ran R loops, against the brute-force cached loop (float64 KL of its readouts)."""
+  mdl, batches, rng = setup
+  b = dict(batches[0], inputs=batches[0]['inputs'][:1], mask=np.ones((1, L), np.float32))
+  h = kl_probe.harvest(mdl, [b], R, rng, semantics='cached')
+  rec = {}
+  brute_cached(mdl, jnp.asarray(b['inputs']), 1, -1.0, R, rng, record=rec)
+  kl = np.stack(rec['kl'], 1)  # [R, L - 1]: tokens 1..L-1 (token 0 is prefilled)
+  states = np.stack(rec['state'], 1)  # [R, L - 1, D]
+  np.testing.assert_allclose(h.log_kl_N, np.maximum(np.log(kl[1:].ravel()),
+                                                    kl_probe.LOG_FLOOR), atol=2e-3, rtol=1e-3)
+  np.testing.assert_allclose(h.states_NxD, states[1:].reshape(-1, states.shape[-1]),
+                             atol=1e-4)
+  np.testing.assert_allclose(h.delta_NxD, (states[1:] - states[:-1]).reshape(
+      -1, states.shape[-1]), atol=1e-4)
 
 
 def test_save_load_and_bad_files(tmp_path):
