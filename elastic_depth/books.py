@@ -107,7 +107,7 @@ def decode_flops(mcfg, prelude, core, coda, head, checks, cache_len: int):
 
 
 def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: int,
-               probe_rank: int = -1):
+               probe_size: Optional[Sequence[int]] = None):
   """Check work per core loop, in core loops, from per-token executed counts.
 
   The output readout (one coda pass and one head product per token) is what A0 pays
@@ -120,7 +120,7 @@ def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: in
     loops, readouts, heads: mean core loops, readouts and head products per token as
       the engine executed them (final readout included), scalars or arrays.
     seq_len: the sequence length of the attention FLOPs.
-    probe_rank: the state probe the check runs every loop (`policies.probe_rank`).
+    probe_size: the state probe the check runs every loop (`policies.probe_size`).
   Returns:
     core loops of check work per core loop (float or array).
   """
@@ -128,7 +128,7 @@ def check_cost(mcfg: config_lib.ModelConfig, loops, readouts, heads, seq_len: in
   coda = f['coda_head'] - f['head']
   loops, readouts, heads = (np.asarray(x, np.float64) for x in (loops, readouts, heads))
   work = ((readouts - 1) * coda + (heads - 1) * f['head']
-          + loops * (delta_flops(mcfg.d_model) + policies.probe_flops(probe_rank, mcfg.d_model)))
+          + loops * (delta_flops(mcfg.d_model) + policies.probe_flops(probe_size, mcfg.d_model)))
   return work / (loops * f['loop'])
 
 
@@ -215,7 +215,7 @@ def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> l
   """Check cost per loop (core loops) at every point of a sweep curve, at shape mcfg."""
   return np.atleast_1d(check_cost(mcfg, curve['mean_loops_counted'], curve['mean_readouts'],
                                   curve['mean_heads'], seq_len,
-                                  curve.get('probe_rank', -1))).tolist()
+                                  curve.get('probe_size'))).tolist()
 
 
 _TUNED = {'/min*': r'/min\d+', '/g*': r'/g\d[\d.]*(?:e[+-]?\d+)?'}  # min_loops, eps_growth

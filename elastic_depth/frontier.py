@@ -113,7 +113,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['mean_loops_counted'].append(masked_mean(depth[:, -t:], mask[:, -t:]))
       out['share_max_depth'].append(masked_mean(depth == r_max, mask))
   out['policy'] = policy
-  out['probe_rank'] = policies.probe_rank(curve.router)  # its FLOPs are in the check books
+  out['probe_size'] = policies.probe_size(curve.router)  # its FLOPs are in the check books
   return out
 
 

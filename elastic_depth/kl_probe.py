@@ -4,12 +4,14 @@ An exit check that reads the output distribution pays a coda pass and a head pro
 read (2.1 core loops at the 135M blocks); the relative state change is free but exits
 other tokens than KL does. The probe is fitted on the frozen model's own per-loop KL:
 
-  log KL_i ~ log ||(s_i - s_{i-1}) A||^2 + x_i.w + b,   x_i = (s_i - mu) / sd,
+  log KL_i ~ alpha log ||(s_i - s_{i-1}) A||^2 + x_i.w + b + w2.gelu([x_i, d_i] W1 + b1),
+  x_i = (s_i - mu) / sd,  d_i = (s_i - s_{i-1}) / sd,
 
 a rank-K quadratic form of the state change (what KL is to second order through a fixed
 readout Jacobian and Fisher) with a per-token scale read linearly off the state (how
-peaked p_i is). It costs ~2DK FLOPs per check (`policies.probe_flops`). Policy
-`kl_probe` exits where the estimate is below eps, in the same units as KL.
+peaked p_i is), and optionally H hidden units for what neither captures. It costs
+~2DK + 4DH FLOPs per check (`policies.probe_flops`). Policy `kl_probe` exits where the
+estimate is below eps, in the same units as KL.
 """
 
 import json
@@ -121,25 +123,27 @@ def _cached_run(mdl, r_max: int, rng):
   return fn
 
 
-def fit(h: Harvest, rank: int = 32, steps: int = 1000, lr: float = 3e-3,
+def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: float = 1e-2,
         seed: int = 0) -> KLProbe:
-  """Least squares on log KL, censored at LOG_FLOOR (full-batch Adam); A starts random, b
-  at the mean residual."""
+  """Least squares on log KL, censored at LOG_FLOOR (full-batch Adam); A and W1 start
+  random, alpha at 1, the hidden readout at 0 and b at the mean residual."""
   d, x = jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)
   y = jnp.asarray(h.log_kl_N)
   mu, sd = x.mean(0), x.std(0) + 1e-6
   dim = d.shape[1]
-  a0 = jax.random.normal(jax.random.key(seed), (dim, rank)) / np.sqrt(dim * rank)
-  probe = KLProbe(a0, jnp.zeros(dim), jnp.zeros(()), mu, sd)
-  probe = probe._replace(b=jnp.mean(y - _predict(probe, d, x)))
-  params = {'a': probe.a_DxK, 'w': probe.w_D, 'b': probe.b}
+  k_a, k_w = jax.random.split(jax.random.key(seed))
+  params = {'a_DxK': jax.random.normal(k_a, (dim, rank)) / np.sqrt(dim * rank),
+            'w_D': jnp.zeros(dim), 'b': jnp.zeros(()), 'alpha': jnp.ones(()),
+            'w1_2DxH': jax.random.normal(k_w, (2 * dim, hidden)) / np.sqrt(2 * dim),
+            'b1_H': jnp.zeros(hidden), 'w2_H': jnp.zeros(hidden)}
+  probe = lambda p: KLProbe(mu_D=mu, sd_D=sd, **p)
+  params['b'] = jnp.mean(y - _predict(probe(params), d, x))
   tx = optax.adam(lr)
   opt = tx.init(params)
-
   floored = y <= LOG_FLOOR
 
   def loss_fn(p):
-    pred = _predict(KLProbe(p['a'], p['w'], p['b'], mu, sd), d, x)
+    pred = _predict(probe(p), d, x)
     err = jnp.where(floored, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
     return jnp.mean(err * err)
 
@@ -151,7 +155,7 @@ def fit(h: Harvest, rank: int = 32, steps: int = 1000, lr: float = 3e-3,
 
   for _ in range(steps):
     params, opt = step(params, opt)
-  return KLProbe(params['a'], params['w'], params['b'], mu, sd)
+  return probe(params)
 
 
 def _predict(probe: KLProbe, d_NxD, x_NxD):
@@ -182,7 +186,9 @@ def evaluate(probe: KLProbe, h: Harvest) -> dict:
   return {'n': int(len(y)), 'share_floored': float(1.0 - above.mean()),
           'rmse_log_kl': float(np.sqrt(np.mean((pred[above] - y[above]) ** 2))),
           'spearman_probe': spearman(np.maximum(pred, LOG_FLOOR), y),
-          'spearman_state_change': spearman(change, y), 'rank': int(probe.a_DxK.shape[1])}
+          'spearman_state_change': spearman(change, y), 'rank': int(probe.a_DxK.shape[1]),
+          'hidden': int(probe.w2_H.shape[0]),
+          'mse_censored': float(np.mean(np.where(above, pred - y, np.maximum(pred - y, 0)) ** 2))}
 
 
 def file_name(semantics) -> str:

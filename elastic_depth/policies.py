@@ -78,13 +78,19 @@ def router_logit(router: Router, s_BxLxD: jax.Array) -> jax.Array:
 
 
 class KLProbe(NamedTuple):
-  """KL(p_i || p_{i-1}) read off the state: log KL ~ log ||(s_i - s_{i-1}) A||^2 + x_i.w + b,
-  with x_i the standardised s_i (a rank-K quadratic form of the change, scaled per token)."""
+  """KL(p_i || p_{i-1}) read off the state, in log space: alpha log ||(s_i - s_{i-1}) A||^2
+  (a rank-K quadratic form of the change) + x_i.w + b (x_i the standardised s_i: how
+  peaked p_i is) + w2.gelu([x_i, (s_i - s_{i-1}) / sd] W1 + b1) (H hidden units; H = 0:
+  none)."""
   a_DxK: jax.Array
   w_D: jax.Array
   b: jax.Array
   mu_D: jax.Array   # feature standardisation of s_i
   sd_D: jax.Array
+  alpha: jax.Array  # the quadratic form's exponent
+  w1_2DxH: jax.Array
+  b1_H: jax.Array
+  w2_H: jax.Array
 
 
 Probe = Union[Router, KLProbe]  # the state probes a check may carry (policy router, kl_probe)
@@ -93,26 +99,35 @@ Probe = Union[Router, KLProbe]  # the state probes a check may carry (policy rou
 def kl_probe_log(probe: KLProbe, s_new_BxLxD: jax.Array, s_old_BxLxD: jax.Array) -> jax.Array:
   """The probe's estimate of log KL(p_i || p_{i-1}) per token, fp32 [B, L]."""
   s = s_new_BxLxD.astype(jnp.float32)
-  q_BxLxK = jnp.einsum('BLD,DK->BLK', s - s_old_BxLxD.astype(jnp.float32), probe.a_DxK)
+  d = s - s_old_BxLxD.astype(jnp.float32)
+  q_BxLxK = jnp.einsum('BLD,DK->BLK', d, probe.a_DxK)
   x = (s - probe.mu_D) / probe.sd_D
-  return (jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
-          + jnp.einsum('BLD,D->BL', x, probe.w_D) + probe.b)
+  out = (probe.alpha * jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
+         + jnp.einsum('BLD,D->BL', x, probe.w_D) + probe.b)
+  if probe.w2_H.shape[0]:
+    z = jnp.concatenate([x, d / probe.sd_D], -1)
+    h_BxLxH = jax.nn.gelu(jnp.einsum('BLC,CH->BLH', z, probe.w1_2DxH) + probe.b1_H)
+    out = out + jnp.einsum('BLH,H->BL', h_BxLxH, probe.w2_H)
+  return out
 
 
-def probe_rank(probe: Optional[Probe]) -> int:
-  """-1 without a probe, 0 for the router, K for a rank-K KL probe (`probe_flops`)."""
+def probe_size(probe: Optional[Probe]) -> Optional[tuple[int, int]]:
+  """None without a probe, (0, 0) for the router, (K, H) for a KL probe (`probe_flops`)."""
   if probe is None:
-    return -1
-  return int(probe.a_DxK.shape[-1]) if isinstance(probe, KLProbe) else 0
+    return None
+  if isinstance(probe, KLProbe):
+    return int(probe.a_DxK.shape[-1]), int(probe.w2_H.shape[0])
+  return 0, 0
 
 
-def probe_flops(rank: int, d_model: int) -> int:
-  """FLOPs per token and check of a state probe of `probe_rank` rank at width d_model."""
-  if rank < 0:
+def probe_flops(size: Optional[Sequence[int]], d_model: int) -> int:
+  """FLOPs per token and check of a state probe of `probe_size` size at width d_model."""
+  if size is None:
     return 0
+  k, h = size
   # the router: standardise and dot; the KL probe adds the change's rank-K projection
-  # and its squared norm
-  return 4 * d_model + (2 * d_model * rank + 2 * rank if rank > 0 else 0)
+  # and its squared norm, and the hidden layer over [x, change] (bias, gelu, readout)
+  return 4 * d_model + 2 * (d_model + 1) * k + (d_model + 4 * d_model * h + 13 * h) * (h > 0)
 
 
 def _probe_stats(probe: Optional[Probe], s_new, s_old) -> dict:

@@ -40,6 +40,7 @@ class RouterOptions:
   fit_batches: int = 4       # validation batches fitted on
   probe: str = 'router'      # 'router' (A2) or 'kl_probe'
   rank: int = 32             # the KL probe's rank K
+  hidden: int = 256          # the KL probe's hidden units H
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
 
 
@@ -57,6 +58,8 @@ PROBE = flags.DEFINE_enum('probe', RouterOptions.probe, ['router', 'kl_probe'], 
                           'A2 router (router.json); kl_probe: the KL probe (kl_probe.json).')
 RANK = flags.DEFINE_integer('probe_rank', RouterOptions.rank, 'Rank K of the KL probe.',
                             lower_bound=1)
+HIDDEN = flags.DEFINE_integer('probe_hidden', RouterOptions.hidden, 'Hidden units H of the '
+                              'KL probe (0: none).', lower_bound=0)
 SEMANTICS = flags.DEFINE_enum('probe_semantics', RouterOptions.semantics, ['parallel', 'cached'],
                               'The semantics the KL probe is fitted (and used) in: '
                               'kl_probe.json or kl_probe_cached.json.')
@@ -124,24 +127,25 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict) ->
                            semantics=sem)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem)
-  probe = kl_probe.fit(fit_h, rank=x.rank, steps=x.steps, lr=x.lr)
+  probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr)
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
          'semantics': sem}
   name = kl_probe.file_name(sem)
   path = os.path.join(opts.workdir, f'{name}.json')
   kl_probe.save(probe, path, fit)
-  md = ('| split | pairs | RMSE of log KL | Spearman(probe, KL) | Spearman(state change, KL) |\n'
-        '| --- | ---: | ---: | ---: | ---: |\n' +
+  md = ('| split | pairs | RMSE of log KL | Spearman(probe, KL) | Spearman(state change, KL) '
+        '| censored MSE |\n| --- | ---: | ---: | ---: | ---: | ---: |\n' +
         ''.join(f"| {k} | {v['n']} | {v['rmse_log_kl']:.3f} | {v['spearman_probe']:.4f} | "
-                f"{v['spearman_state_change']:.4f} |\n"
+                f"{v['spearman_state_change']:.4f} | {v['mse_censored']:.3f} |\n"
                 for k, v in (('train', res['train']), ('held-out', res['heldout']))))
   paths = reports.write(opts.workdir, common.report_name(name, opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=ld.checkpoint_info(),
                         markdown=md)
   h = res['heldout']
-  print(f"{name} (rank {x.rank}, {sem} semantics): held-out RMSE of log KL {h['rmse_log_kl']:.3f}, Spearman "
-        f"with KL {h['spearman_probe']:.4f} (state change {h['spearman_state_change']:.4f}); "
+  print(f"{name} (rank {x.rank}, {x.hidden} hidden, {sem} semantics): held-out RMSE of log KL {h['rmse_log_kl']:.3f}, Spearman "
+        f"with KL {h['spearman_probe']:.4f} (state change {h['spearman_state_change']:.4f}), "
+        f"censored MSE {h['mse_censored']:.3f}; "
         f"saved {path}; report {paths['md']}")
   return {'results': res, 'paths': paths, 'router': path}
 
@@ -150,4 +154,4 @@ if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, probe=PROBE.value, rank=RANK.value,
-      semantics=SEMANTICS.value)))
+      hidden=HIDDEN.value, semantics=SEMANTICS.value)))

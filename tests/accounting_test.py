@@ -90,9 +90,9 @@ def _router(d, policy='router'):
   """The state probe a policy reads: the A2 router, or a KL probe for kl_probe."""
   rs = np.random.default_rng(1)
   if policy == 'kl_probe':
-    return policies.KLProbe(jnp.asarray(0.5 * rs.normal(size=(d, 3)), jnp.float32),
-                            jnp.asarray(0.2 * rs.normal(size=d), jnp.float32), jnp.float32(0.0),
-                            jnp.zeros(d), jnp.ones(d))
+    f = lambda scale, *shape: jnp.asarray(scale * rs.normal(size=shape), jnp.float32)
+    return policies.KLProbe(f(0.5, d, 3), f(0.2, d), jnp.float32(0.0), jnp.zeros(d),
+                            jnp.ones(d), jnp.float32(1.0), f(0.3, 2 * d, 2), f(0.1, 2), f(0.3, 2))
   return policies.Router(jnp.asarray(rs.normal(size=d), jnp.float32), jnp.float32(0.0),
                          jnp.zeros(d), jnp.ones(d))
 

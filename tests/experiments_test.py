@@ -175,7 +175,7 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   for sem, rank in (('parallel', 4), ('cached', 4)):
     out = train_router.run(_opts(workdir), train_router.RouterOptions(
         steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe',
-        rank=rank, semantics=sem))
+        rank=rank, hidden=2, semantics=sem))
     res = _numbers(out['paths']['json'])
     assert res['fit']['batches'] == [2] and res['semantics'] == sem
     assert out['router'].endswith({'parallel': 'kl_probe.json',
@@ -185,9 +185,9 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
       eps_grid=[1e-3, 1.0], curves=('kl',), kl_probe=True, semantics=('parallel', 'cached'),
       timing_repeats=0))['results']
   for name in ('kl_probe', 'kl_probe@cached'):
-    assert ok['curves'][name]['probe_rank'] == 4
+    assert tuple(ok['curves'][name]['probe_size']) == (4, 2)
     assert max(ok['check_books'][name]['cost']) > 0  # the probe runs at every loop
-  assert ok['curves']['kl']['probe_rank'] == -1
+  assert ok['curves']['kl']['probe_size'] is None
   with pytest.raises(common.SetupError, match='kl_probe was fitted .* in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
                   sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))

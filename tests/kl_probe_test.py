@@ -18,19 +18,23 @@ B, L, R = 2, 8, 5
 
 
 def probe_np(probe, s_new, s_old):
-  """The probe's KL estimate in float64."""
+  """The probe's KL estimate in float64 (gelu: the tanh form jax.nn.gelu computes)."""
   p = {k: np.asarray(v, np.float64) for k, v in probe._asdict().items()}
   s, d = np.asarray(s_new, np.float64), np.asarray(s_new, np.float64) - np.asarray(s_old, np.float64)
   q = d @ p['a_DxK']
-  return np.exp(np.log(np.sum(q * q, -1) + 1e-12) + ((s - p['mu_D']) / p['sd_D']) @ p['w_D']
-                + p['b'])
+  x = (s - p['mu_D']) / p['sd_D']
+  out = p['alpha'] * np.log(np.sum(q * q, -1) + 1e-12) + x @ p['w_D'] + p['b']
+  z = np.concatenate([x, d / p['sd_D']], -1) @ p['w1_2DxH'] + p['b1_H']
+  gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+  return np.exp(out + gelu @ p['w2_H'])
 
 
-def random_probe(d, k=4, seed=0, scale=1.0):
+def random_probe(d, k=4, seed=0, scale=1.0, hidden=3):
   r = np.random.default_rng(seed)
   f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
   return policies.KLProbe(scale * f(d, k), 0.3 * f(d), jnp.float32(0.5), 0.1 * f(d),
-                          jnp.asarray(0.5 + r.random(d), jnp.float32))
+                          jnp.asarray(0.5 + r.random(d), jnp.float32), jnp.float32(0.8),
+                          0.3 * f(2 * d, hidden), 0.1 * f(hidden), 0.5 * f(hidden))
 
 
 def test_estimate_matches_float64_numpy():
@@ -42,36 +46,36 @@ def test_estimate_matches_float64_numpy():
   np.testing.assert_allclose(got, probe_np(probe, s_new, s_old), rtol=2e-4)
 
 
-def test_probe_flops_match_xla_count():
+@pytest.mark.parametrize('hidden', [0, 8])
+def test_probe_flops_match_xla_count(hidden):
   """policies.probe_flops against XLA's compiled FLOP count of the estimate (15%: XLA
-  adds the log and exp)."""
+  counts the log, exp and gelu its own way)."""
   d, k, n = 64, 16, 256
-  probe = random_probe(d, k)
+  probe = random_probe(d, k, hidden=hidden)
   x = jnp.ones((1, n, d), jnp.float32)
   cost = jax.jit(lambda a, b: policies.kl_probe_log(probe, a, b)).lower(x, x).compile()
   xla = cost.cost_analysis()
   xla = (xla[0] if isinstance(xla, list) else xla)['flops'] / n
-  # XLA counts the change and the standardisation (3 d) that probe_flops books as the
-  # state change's (books.delta_flops) and its own
-  assert policies.probe_flops(k, d) == pytest.approx(xla, rel=0.15)
-  assert policies.probe_flops(policies.probe_rank(probe), d) == policies.probe_flops(k, d)
-  assert policies.probe_flops(-1, d) == 0
+  assert policies.probe_size(probe) == (k, hidden)
+  assert policies.probe_flops((k, hidden), d) == pytest.approx(xla, rel=0.15)
+  assert policies.probe_flops(None, d) == 0
 
 
 def test_fit_recovers_a_planted_probe():
   """Pairs whose log KL is a planted probe's estimate (plus noise): the fit predicts held-out
   pairs to the noise level and orders them as the truth does."""
   d, n = 12, 4000
-  truth = random_probe(d, 3, seed=3)
+  truth = random_probe(d, 3, seed=3, hidden=0)
   r = np.random.default_rng(4)
   x = r.normal(size=(2 * n, d)).astype(np.float32)
   delta = (r.normal(size=(2 * n, d)) * np.exp(r.normal(size=(2 * n, 1)))).astype(np.float32)
   y = np.log(probe_np(truth, x, x - delta)) + 0.05 * r.normal(size=2 * n)
   h = lambda sl: kl_probe.Harvest(delta[sl], x[sl], y[sl].astype(np.float32), np.full(n, 2))
-  probe = kl_probe.fit(h(slice(0, n)), rank=3, steps=1500, lr=1e-2)
-  ev = kl_probe.evaluate(probe, h(slice(n, 2 * n)))
-  assert ev['rmse_log_kl'] < 0.15
-  assert ev['spearman_probe'] > 0.99
+  for hidden in (0, 4):  # the hidden units must not spoil a fit the quadratic form makes
+    probe = kl_probe.fit(h(slice(0, n)), rank=3, hidden=hidden, steps=1500, lr=1e-2)
+    ev = kl_probe.evaluate(probe, h(slice(n, 2 * n)))
+    assert ev['rmse_log_kl'] < 0.15
+    assert ev['spearman_probe'] > 0.99
 
 
 @pytest.fixture(scope='module')
@@ -177,6 +181,6 @@ def test_books_count_the_probe_every_loop():
   probe_flops / loop FLOPs, whatever the loops and readouts."""
   mcfg = exit_model_config()
   base = books.check_cost(mcfg, 4.0, 1.0, 1.0, 16)
-  with_probe = books.check_cost(mcfg, 4.0, 1.0, 1.0, 16, probe_rank=8)
+  with_probe = books.check_cost(mcfg, 4.0, 1.0, 1.0, 16, probe_size=(8, 16))
   loop = model_lib.flops_per_token(mcfg, 0, 16)['loop']
-  assert with_probe - base == pytest.approx(policies.probe_flops(8, mcfg.d_model) / loop)
+  assert with_probe - base == pytest.approx(policies.probe_flops((8, 16), mcfg.d_model) / loop)
