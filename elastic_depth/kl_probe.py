@@ -124,9 +124,10 @@ def _cached_run(mdl, r_max: int, rng):
 
 
 def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: float = 1e-2,
-        seed: int = 0) -> KLProbe:
-  """Least squares on log KL, censored at LOG_FLOOR (full-batch Adam); A and W1 start
-  random, alpha at 1, the hidden readout at 0 and b at the mean residual."""
+        seed: int = 0, batch: int = 16384) -> KLProbe:
+  """Least squares on log KL, censored at LOG_FLOOR (Adam on `batch` pairs drawn per step,
+  all of them when fewer); A and W1 start random, alpha at 1, the hidden readout at 0 and
+  b at the mean residual."""
   d, x = jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)
   y = jnp.asarray(h.log_kl_N)
   mu, sd = x.mean(0), x.std(0) + 1e-6
@@ -136,26 +137,33 @@ def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: floa
             'w_D': jnp.zeros(dim), 'b': jnp.zeros(()), 'alpha': jnp.ones(()),
             'w1_2DxH': jax.random.normal(k_w, (2 * dim, hidden)) / np.sqrt(2 * dim),
             'b1_H': jnp.zeros(hidden), 'w2_H': jnp.zeros(hidden)}
-  probe = lambda p: KLProbe(mu_D=mu, sd_D=sd, **p)
-  params['b'] = jnp.mean(y - _predict(probe(params), d, x))
+  probe = lambda p, mu, sd: KLProbe(mu_D=mu, sd_D=sd, **p)
+  params['b'] = jnp.mean(y - _predict(probe(params, mu, sd), d, x))
   tx = optax.adam(lr)
   opt = tx.init(params)
-  floored = y <= LOG_FLOOR
 
-  def loss_fn(p):
-    pred = _predict(probe(p), d, x)
-    err = jnp.where(floored, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
+  def loss_fn(p, data):  # the data are arguments: closed over, XLA would fold them in
+    d, x, y, mu, sd = data
+    pred = _predict(probe(p, mu, sd), d, x)
+    err = jnp.where(y <= LOG_FLOOR, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
     return jnp.mean(err * err)
 
+  n = int(y.shape[0])
+  take = min(batch, n)
+
   @jax.jit
-  def step(p, o):
-    g = jax.grad(loss_fn)(p)
+  def step(p, o, data, t):
+    if take < n:
+      idx = jax.random.randint(jax.random.fold_in(jax.random.key(seed + 1), t), (take,), 0, n)
+      data = tuple(a[idx] for a in data[:3]) + data[3:]
+    g = jax.grad(loss_fn)(p, data)
     u, o = tx.update(g, o, p)
     return optax.apply_updates(p, u), o
 
-  for _ in range(steps):
-    params, opt = step(params, opt)
-  return probe(params)
+  data = (d, x, y, mu, sd)
+  for t in range(steps):
+    params, opt = step(params, opt, data, jnp.int32(t))
+  return probe(params, mu, sd)
 
 
 def _predict(probe: KLProbe, d_NxD, x_NxD):

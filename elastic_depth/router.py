@@ -158,8 +158,8 @@ def overlap_error(fit: Optional[dict], data_config: dict, tokens: list[int],
   if not fit:
     return (f'the {what} file has no record of the batches it was fitted on (an older '
             'train_router); retrain it')
-  if fit['data_config'] != data_config:
-    return None  # another corpus or generator setting: a different validation stream
+  if fit.get('split') == 'train' or fit['data_config'] != data_config:
+    return None  # fitted on training text, or another corpus: not this validation stream
   lo, hi = fit['tokens']
   if lo < tokens[1] and tokens[0] < hi:
     return (f"the {what} was fitted on the validation targets [{lo}, {hi}) (batches "

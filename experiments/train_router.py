@@ -26,7 +26,7 @@ import os
 import jax
 from absl import app, flags
 
-from elastic_depth import kl_probe, reports, router
+from elastic_depth import data as data_lib, kl_probe, reports, router
 from experiments import common
 
 
@@ -37,10 +37,11 @@ class RouterOptions:
   lr: float = 1e-2           # probe learning rate
   max_pairs: int = 200_000   # (token, loop) pairs used to train
   fit_from: int = 8          # first validation batch fitted on (earlier ones: held out)
-  fit_batches: int = 4       # validation batches fitted on
+  fit_batches: int = 4       # batches fitted on
+  fit_split: str = 'val'     # 'val' (after the held-out ones) or 'train' (the first ones)
   probe: str = 'router'      # 'router' (A2) or 'kl_probe'
   rank: int = 32             # the KL probe's rank K
-  hidden: int = 256          # the KL probe's hidden units H
+  hidden: int = 0            # the KL probe's hidden units H
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
 
 
@@ -52,8 +53,12 @@ MAX_PAIRS = flags.DEFINE_integer('max_pairs', RouterOptions.max_pairs, '(token, 
 FIT_FROM = flags.DEFINE_integer('fit_from', RouterOptions.fit_from, 'First validation batch '
                                 'the probe fits on; batches before it are held out (sweep_eps '
                                 'scores them).')
-FIT_BATCHES = flags.DEFINE_integer('fit_batches', RouterOptions.fit_batches, 'Validation '
-                                   'batches the probe fits on.')
+FIT_BATCHES = flags.DEFINE_integer('fit_batches', RouterOptions.fit_batches, 'Batches the '
+                                   'probe fits on.')
+FIT_SPLIT = flags.DEFINE_enum('fit_split', RouterOptions.fit_split, ['val', 'train'], 'Fit on '
+                              'validation batches --fit_from.. (val) or on the first training '
+                              'batches (train: the labels are the model\'s own, so any text '
+                              'serves, and sweep_eps may then score every validation batch).')
 PROBE = flags.DEFINE_enum('probe', RouterOptions.probe, ['router', 'kl_probe'], 'router: the '
                           'A2 router (router.json); kl_probe: the KL probe (kl_probe.json).')
 RANK = flags.DEFINE_integer('probe_rank', RouterOptions.rank, 'Rank K of the KL probe.',
@@ -83,20 +88,27 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if first < 1 or n_fit < 1:
     raise common.SetupError(f'--fit_from={first} and --fit_batches={n_fit} must be >= 1 '
                             '(batches before --fit_from are the held-out ones)')
-  ld = common.load(dataclasses.replace(opts, batches=first + n_fit))
-  if len(ld.batches) < first + n_fit:
+  on_val = x.fit_split == 'val'
+  ld = common.load(dataclasses.replace(opts, batches=first + n_fit * on_val))
+  if len(ld.batches) < first + n_fit * on_val:
     raise common.SetupError(
         f'the validation set has {len(ld.batches)} batches, fewer than --fit_from={first} + '
-        f'--fit_batches={n_fit}; lower them (sweep_eps --batches must stay <= --fit_from) '
-        'or enlarge the validation split')
+        f'--fit_batches={n_fit}; lower them (sweep_eps --batches must stay <= --fit_from), '
+        'fit on --fit_split=train or enlarge the validation split')
   rng = jax.random.key(opts.seed)
   b, l = ld.data.batch_size, ld.data.seq_len
-  fit = {'batches': list(range(first, first + n_fit)), 'batch_size': b, 'seq_len': l,
-         'tokens': router.batch_tokens(first, n_fit, b, l),
-         'data_config': dataclasses.asdict(ld.data_cfg)}
+  if on_val:
+    fit = {'batches': list(range(first, first + n_fit)), 'batch_size': b, 'seq_len': l,
+           'tokens': router.batch_tokens(first, n_fit, b, l),
+           'data_config': dataclasses.asdict(ld.data_cfg)}
+    fit_batches = ld.batches[first:]
+  else:  # the labels are the model's own: training text serves, and no scored batch is seen
+    fit = {'split': 'train', 'batches': list(range(n_fit)), 'batch_size': b, 'seq_len': l,
+           'data_config': dataclasses.asdict(ld.data_cfg)}
+    fit_batches = data_lib.fixed_batches(ld.data.train_windows, b, n_fit)
   if x.probe == 'kl_probe':
-    return _run_kl_probe(opts, x, ld, rng, fit)
-  fit_h = router.harvest(ld.model, ld.batches[first:], ld.r_max, rng, x.max_pairs)
+    return _run_kl_probe(opts, x, ld, rng, fit, fit_batches)
+  fit_h = router.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs)
   test_h = router.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs)
   probe = router.fit(fit_h, steps=x.steps, lr=x.lr)
   res = {'train': router.evaluate(probe, fit_h), 'heldout': router.evaluate(probe, test_h),
@@ -119,12 +131,12 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   return {'results': res, 'paths': paths, 'router': path}
 
 
-def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict) -> dict:
+def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
+                  fit_batches: list) -> dict:
   """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
   first = x.fit_from
   sem = x.semantics
-  fit_h = kl_probe.harvest(ld.model, ld.batches[first:], ld.r_max, rng, x.max_pairs,
-                           semantics=sem)
+  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, semantics=sem)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem)
   probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr)
@@ -153,5 +165,6 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict) ->
 if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
-      fit_batches=FIT_BATCHES.value, probe=PROBE.value, rank=RANK.value,
+      fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
+      rank=RANK.value,
       hidden=HIDDEN.value, semantics=SEMANTICS.value)))

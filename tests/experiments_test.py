@@ -191,6 +191,15 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   with pytest.raises(common.SetupError, match='kl_probe was fitted .* in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
                   sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
+  # fitted on training text, the probe has seen no validation batch: all may be scored
+  out = train_router.run(_opts(workdir), train_router.RouterOptions(
+      steps=5, max_pairs=1000, fit_from=2, fit_batches=2, fit_split='train', probe='kl_probe',
+      rank=4))
+  assert _numbers(out['paths']['json'])['fit']['split'] == 'train'
+  ok = sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
+                     sweep_eps.SweepOptions(eps_grid=[1e-3], curves=('kl',), kl_probe=True,
+                                            timing_repeats=0))['results']
+  assert tuple(ok['curves']['kl_probe']['probe_size']) == (4, 0)
 
 
 def test_router_overlap_by_brute_force_over_windows():
