@@ -105,7 +105,8 @@ def _masked_check(check_fn, exit_mask_BxL):
 
 
 def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = False,
-              exit_mask_BxL=None, active_BxL=None, schedule_BxL=None):
+              exit_mask_BxL=None, active_BxL=None, schedule_BxL=None,
+              trace_states: bool = False):
   """Loop policy for LoopedLM.forward: per-token early exit in parallel semantics.
 
   With exit_mask_BxL, only tokens where it is True may exit early (the others run to the
@@ -114,6 +115,7 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
   The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
   active_BxL: initial mask (padding starts inactive); schedule_BxL: benchmarks only,
   a token also exits at the first allowed loop >= schedule (`policies.scheduled`).
+  trace_states: with trace, the traces hold each loop's states too ('state', [R, B, L, D]).
   """
   def loop(model: LoopedLM, s0, inj, pos):
     b, l = s0.shape[:2]
@@ -131,7 +133,8 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
         cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
         min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate,
-        max_loops=loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth)
+        max_loops=loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth,
+        trace_states=trace_states)
     if exit_mask_BxL is not None:
       check_fn = _masked_check(check_fn, exit_mask_BxL)
     if schedule_BxL is not None:

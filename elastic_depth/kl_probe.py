@@ -16,14 +16,14 @@ estimate is below eps, in the same units as KL.
 
 import json
 import os
-from typing import Iterable, NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_depth import decoding, model as model_lib
+from elastic_depth import decoding, inference, model as model_lib
 from elastic_depth.config import ExitConfig, Semantics
 from elastic_depth.kernels import kl_halting
 from elastic_depth.policies import KLProbe, kl_probe_log, relative_change
@@ -61,25 +61,31 @@ def _recorded_loop(r_max: int) -> model_lib.LoopFn:
 
 def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
             max_pairs: int = 100_000, seed: int = 0,
-            semantics: Semantics = Semantics.PARALLEL) -> Harvest:
+            semantics: Semantics = Semantics.PARALLEL,
+            exit_eps: Sequence[float] = ()) -> Harvest:
   """Every batch at uniform depth r_max; the masked tokens' loops 2..R as pairs.
 
   Parallel semantics: one forward per batch (`_recorded_loop`). Cached semantics: token
   by token through `decoding.decode_step` (its trace), each token after the tokens
   before it ran r_max loops and offer their last loop's keys/values; position 0 is
-  prefilled and gives no pairs.
+  prefilled and gives no pairs. exit_eps (parallel only): also each batch under the
+  exact KL exit at each of these eps (masked engine, exited tokens frozen), its tokens'
+  loops 2..depth: the states that runs with exits reach.
   """
-  run = {Semantics.PARALLEL: _parallel_run, Semantics.CACHED: _cached_run}[Semantics(semantics)]
-  fn = run(mdl, r_max, rng)
-  states, kls = [], []
-  for b in batches:
-    s_RxBxLxD, kl_RxBxL, keep_BxL = fn(b)
-    states.append(s_RxBxLxD[:, keep_BxL])
-    kls.append(kl_RxBxL[:, keep_BxL])
-  s, k = np.concatenate(states, 1), np.concatenate(kls, 1)  # [R, N, D], [R, N]
-  d = (s[1:] - s[:-1]).reshape(-1, s.shape[-1])
-  x, k = s[1:].reshape(-1, s.shape[-1]), k[1:].reshape(-1)
-  l = np.repeat(np.arange(2, r_max + 1), s.shape[1])
+  sem = Semantics(semantics)
+  if exit_eps and sem != Semantics.PARALLEL:
+    raise ValueError('kl_probe.harvest: exit_eps needs parallel semantics')
+  runs = [{Semantics.PARALLEL: _parallel_run, Semantics.CACHED: _cached_run}[sem](
+      mdl, r_max, rng)] + [_exit_run(mdl, r_max, rng, e) for e in exit_eps]
+  pairs = [[], [], [], []]  # change, state, KL, loop
+  for fn in runs:
+    for b in batches:
+      s_RxBxLxD, kl_RxBxL, ran_RxBxL = fn(b)
+      r, row, col = np.nonzero(ran_RxBxL[1:])  # loop r + 2 of token (row, col) ran
+      s_new, s_old = s_RxBxLxD[r + 1, row, col], s_RxBxLxD[r, row, col]
+      for out, v in zip(pairs, (s_new - s_old, s_new, kl_RxBxL[r + 1, row, col], r + 2)):
+        out.append(v)
+  d, x, k, l = (np.concatenate(v) for v in pairs)
   if len(k) > max_pairs:
     idx = np.random.default_rng(seed).choice(len(k), max_pairs, replace=False)
     d, x, k, l = d[idx], x[idx], k[idx], l[idx]
@@ -95,7 +101,24 @@ def _parallel_run(mdl, r_max: int, rng):
 
   def fn(b):
     s, kl = jax.device_get(run(b['inputs']))
-    return s, kl, np.asarray(b['mask']) > 0
+    return s, kl, np.broadcast_to(np.asarray(b['mask']) > 0, kl.shape)
+  return fn
+
+
+def _exit_run(mdl, r_max: int, rng, eps: float):
+  """batch -> (states, KL, ran [R, B, L]) under the exact KL exit at eps (masked engine)."""
+  cfg = ExitConfig(policy='kl', eps=eps, max_loops=r_max)
+
+  @jax.jit
+  def run(inputs_BxL):
+    res = mdl.forward(inputs_BxL, rng, inference.exit_loop(cfg, trace=True,
+                                                           trace_states=True)).aux
+    return res.traces['state'], res.traces['kl'], res.depth
+
+  def fn(b):
+    s, kl, depth = jax.device_get(run(b['inputs']))
+    loops = np.arange(1, r_max + 1)[:, None, None]
+    return s, kl, (np.asarray(b['mask']) > 0)[None] & (loops <= depth[None])
   return fn
 
 
@@ -119,7 +142,7 @@ def _cached_run(mdl, r_max: int, rng):
       s[:, :, t], kl[:, :, t] = jax.device_get((st, k))
     keep = np.asarray(b['mask']) > 0
     keep[:, 0] = False  # prefilled
-    return s, kl, keep
+    return s, kl, np.broadcast_to(keep, kl.shape)
   return fn
 
 

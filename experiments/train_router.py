@@ -27,7 +27,7 @@ import jax
 from absl import app, flags
 
 from elastic_depth import data as data_lib, kl_probe, reports, router
-from experiments import common
+from experiments import common, flags_util
 
 
 @dataclasses.dataclass
@@ -43,6 +43,7 @@ class RouterOptions:
   rank: int = 32             # the KL probe's rank K
   hidden: int = 0            # the KL probe's hidden units H
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
+  exit_eps: tuple[float, ...] = ()  # the KL probe's: also runs under the KL exit at these
 
 
 STEPS = flags.DEFINE_integer('router_steps', RouterOptions.steps, 'Full-batch AdamW steps of '
@@ -65,6 +66,9 @@ RANK = flags.DEFINE_integer('probe_rank', RouterOptions.rank, 'Rank K of the KL 
                             lower_bound=1)
 HIDDEN = flags.DEFINE_integer('probe_hidden', RouterOptions.hidden, 'Hidden units H of the '
                               'KL probe (0: none).', lower_bound=0)
+EXIT_EPS = flags.DEFINE_list('probe_exit_eps', [], 'The KL probe (parallel semantics): also '
+                             'fit on runs under the exact KL exit at these eps (the states '
+                             'that runs with exits reach), beside the uniform run.')
 SEMANTICS = flags.DEFINE_enum('probe_semantics', RouterOptions.semantics, ['parallel', 'cached'],
                               'The semantics the KL probe is fitted (and used) in: '
                               'kl_probe.json or kl_probe_cached.json.')
@@ -136,7 +140,11 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
   """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
   first = x.fit_from
   sem = x.semantics
-  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, semantics=sem)
+  if x.exit_eps and sem != 'parallel':
+    raise common.SetupError('--probe_exit_eps: runs with exits are harvested in parallel '
+                            'semantics only (--probe_semantics=parallel)')
+  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, semantics=sem,
+                           exit_eps=x.exit_eps)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem)
   probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr)
@@ -167,4 +175,6 @@ if __name__ == '__main__':
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
       rank=RANK.value,
-      hidden=HIDDEN.value, semantics=SEMANTICS.value)))
+      hidden=HIDDEN.value, semantics=SEMANTICS.value,
+      exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
+                     or ()))))

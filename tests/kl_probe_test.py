@@ -91,19 +91,45 @@ def test_harvest_equals_the_engines_per_loop_trace(setup):
   a uniform run (its own KL and relative state change per loop), unpadded tokens only."""
   mdl, batches, rng = setup
   h = kl_probe.harvest(mdl, batches, R, rng)
-  kls, deltas = [], []  # [R, tokens] per batch
+  kls, deltas, loops = [], [], []  # per batch: loops 2..R, then its unpadded tokens
   for b in batches:
     tr = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
         policy='uniform', depth=R), rng, trace=True).traces
     keep = b['mask'] > 0
-    kls.append(np.asarray(tr['kl'])[:, keep])
-    deltas.append(np.asarray(tr['delta'])[:, keep])
-  kl, delta = np.concatenate(kls, 1), np.concatenate(deltas, 1)
-  want = np.maximum(np.log(kl[1:].ravel()), kl_probe.LOG_FLOOR)  # loops 2..R
+    kls.append(np.asarray(tr['kl'])[1:, keep].ravel())
+    deltas.append(np.asarray(tr['delta'])[1:, keep].ravel())
+    loops.append(np.repeat(np.arange(2, R + 1), keep.sum()))
+  want = np.maximum(np.log(np.concatenate(kls)), kl_probe.LOG_FLOOR)
   np.testing.assert_allclose(h.log_kl_N, want, atol=1e-3, rtol=1e-3)
   change = np.linalg.norm(h.delta_NxD, axis=-1) / np.linalg.norm(h.states_NxD, axis=-1)
-  np.testing.assert_allclose(change, delta[1:].ravel(), rtol=1e-4)
-  np.testing.assert_array_equal(h.loops_N, np.repeat(np.arange(2, R + 1), kl.shape[1]))
+  np.testing.assert_allclose(change, np.concatenate(deltas), rtol=1e-4)
+  np.testing.assert_array_equal(h.loops_N, np.concatenate(loops))
+
+
+def test_exit_harvest_keeps_the_loops_each_token_ran(setup):
+  """exit_eps: pairs from a run under the KL exit (masked engine) are its tokens' loops
+  2..depth, with the states and KL of that run's own trace, after the uniform run's."""
+  mdl, batches, rng = setup
+  b = batches[0]
+  base = kl_probe.harvest(mdl, [b], R, rng)
+  tr = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
+      policy='uniform', depth=R), rng, trace=True).traces
+  eps = safe_eps(list(np.asarray(tr['kl'])))
+  h = kl_probe.harvest(mdl, [b], R, rng, exit_eps=[eps])
+  res = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
+      policy='kl', eps=eps, max_loops=R), rng, trace=True)
+  depth, kl = np.asarray(res.depth), np.asarray(res.traces['kl'])
+  keep = b['mask'] > 0
+  assert len(np.unique(depth[keep])) > 1
+  ran = [(i, r, c) for i in range(2, R + 1) for r, c in zip(*np.nonzero(keep))
+         if depth[r, c] >= i]
+  n0 = len(base.log_kl_N)
+  np.testing.assert_array_equal(h.log_kl_N[:n0], base.log_kl_N)
+  np.testing.assert_array_equal(h.loops_N[n0:], [i for i, _, _ in ran])
+  want = np.maximum(np.log([kl[i - 1, r, c] for i, r, c in ran]), kl_probe.LOG_FLOOR)
+  np.testing.assert_allclose(h.log_kl_N[n0:], want, atol=1e-3, rtol=1e-3)
+  with pytest.raises(ValueError, match='parallel semantics'):
+    kl_probe.harvest(mdl, [b], R, rng, exit_eps=[eps], semantics='cached')
 
 
 def test_cached_harvest_equals_brute_force_cached_decoding(setup):
