@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_depth import decoding, inference, model as model_lib
+from elastic_depth import analysis, decoding, inference, model as model_lib
 from elastic_depth.config import ExitConfig, Semantics
 from elastic_depth.kernels import kl_halting
 from elastic_depth.policies import KLProbe, kl_probe_log, relative_change
@@ -62,7 +62,7 @@ def _recorded_loop(r_max: int) -> model_lib.LoopFn:
 def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
             max_pairs: int = 100_000, seed: int = 0,
             semantics: Semantics = Semantics.PARALLEL,
-            exit_eps: Sequence[float] = ()) -> Harvest:
+            exit_eps: Sequence[float] = (), progress: bool = False) -> Harvest:
   """Every batch at uniform depth r_max; the masked tokens' loops 2..R as pairs.
 
   Parallel semantics: one forward per batch (`_recorded_loop`). Cached semantics: token
@@ -70,7 +70,7 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
   before it ran r_max loops and offer their last loop's keys/values; position 0 is
   prefilled and gives no pairs. exit_eps (parallel only): also each batch under the
   exact KL exit at each of these eps (masked engine, exited tokens frozen), its tokens'
-  loops 2..depth: the states that runs with exits reach.
+  loops 2..depth: the states that runs with exits reach. progress: a bar over the runs.
   """
   sem = Semantics(semantics)
   if exit_eps and sem != Semantics.PARALLEL:
@@ -78,13 +78,13 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
   runs = [{Semantics.PARALLEL: _parallel_run, Semantics.CACHED: _cached_run}[sem](
       mdl, r_max, rng)] + [_exit_run(mdl, r_max, rng, e) for e in exit_eps]
   pairs = [[], [], [], []]  # change, state, KL, loop
-  for fn in runs:
-    for b in batches:
-      s_RxBxLxD, kl_RxBxL, ran_RxBxL = fn(b)
-      r, row, col = np.nonzero(ran_RxBxL[1:])  # loop r + 2 of token (row, col) ran
-      s_new, s_old = s_RxBxLxD[r + 1, row, col], s_RxBxLxD[r, row, col]
-      for out, v in zip(pairs, (s_new - s_old, s_new, kl_RxBxL[r + 1, row, col], r + 2)):
-        out.append(v)
+  jobs = [(fn, b) for fn in runs for b in batches]
+  for fn, b in analysis.bar(jobs, f'harvest ({sem.value})', progress):
+    s_RxBxLxD, kl_RxBxL, ran_RxBxL = fn(b)
+    r, row, col = np.nonzero(ran_RxBxL[1:])  # loop r + 2 of token (row, col) ran
+    s_new, s_old = s_RxBxLxD[r + 1, row, col], s_RxBxLxD[r, row, col]
+    for out, v in zip(pairs, (s_new - s_old, s_new, kl_RxBxL[r + 1, row, col], r + 2)):
+      out.append(v)
   d, x, k, l = (np.concatenate(v) for v in pairs)
   if len(k) > max_pairs:
     idx = np.random.default_rng(seed).choice(len(k), max_pairs, replace=False)
@@ -94,7 +94,8 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
 
 
 def _parallel_run(mdl, r_max: int, rng):
-  """batch -> (states [R, B, L, D], KL [R, B, L], mask [B, L]) of one uniform forward."""
+  """batch -> (states [R, B, L, D], KL [R, B, L], ran [R, B, L]: the mask at every loop)
+  of one uniform forward."""
   @jax.jit
   def run(inputs_BxL):
     return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux
@@ -123,7 +124,7 @@ def _exit_run(mdl, r_max: int, rng, eps: float):
 
 
 def _cached_run(mdl, r_max: int, rng):
-  """batch -> (states, KL, mask) decoded token by token at uniform depth r_max."""
+  """batch -> (states, KL, ran) decoded token by token at uniform depth r_max."""
   cfg = ExitConfig(policy='uniform', depth=r_max, max_loops=r_max)
 
   @jax.jit

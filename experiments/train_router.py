@@ -144,9 +144,9 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
     raise common.SetupError('--probe_exit_eps: runs with exits are harvested in parallel '
                             'semantics only (--probe_semantics=parallel)')
   fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, semantics=sem,
-                           exit_eps=x.exit_eps)
+                           exit_eps=x.exit_eps, progress=opts.progress)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
-                            semantics=sem)
+                            semantics=sem, progress=opts.progress)
   probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr)
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,

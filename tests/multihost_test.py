@@ -133,8 +133,11 @@ def test_a_killed_peer_stops_the_other_process(tmp_path):
   assert procs[0].returncode != 0
   # Either a collective fails first (our one line, exit 3), or, when the survivor waits
   # outside a socket read, jax's coordination service stops it after the heartbeat
-  # timeout with its own fatal message naming the cause.
+  # timeout with its own fatal message naming the cause, or the CPU collectives' gloo
+  # transport aborts the process from C++ (an uncaught gloo::EnforceNotMet when the
+  # peer's socket closes mid-collective; no Python handler can turn it into our line).
   lines = err.strip().splitlines()
   ours = lines[-1].startswith('error: process 0 of 2: a peer process failed')
   assert ours == (procs[0].returncode == 3), err[-3000:]
-  assert ours or 'another task died' in err, err[-3000:]
+  gloo = "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in err
+  assert ours or 'another task died' in err or gloo, err[-3000:]
