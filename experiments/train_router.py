@@ -92,6 +92,12 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if first < 1 or n_fit < 1:
     raise common.SetupError(f'--fit_from={first} and --fit_batches={n_fit} must be >= 1 '
                             '(batches before --fit_from are the held-out ones)')
+  if (x.exit_eps or x.semantics != 'parallel') and x.probe != 'kl_probe':
+    raise common.SetupError('--probe_exit_eps and --probe_semantics are the KL probe\'s '
+                            '(--probe=kl_probe)')
+  if x.exit_eps and x.semantics != 'parallel':
+    raise common.SetupError('--probe_exit_eps: runs with exits are harvested in parallel '
+                            'semantics only (--probe_semantics=parallel)')
   on_val = x.fit_split == 'val'
   ld = common.load(dataclasses.replace(opts, batches=first + n_fit * on_val))
   if len(ld.batches) < first + n_fit * on_val:
@@ -140,9 +146,6 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
   """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
   first = x.fit_from
   sem = x.semantics
-  if x.exit_eps and sem != 'parallel':
-    raise common.SetupError('--probe_exit_eps: runs with exits are harvested in parallel '
-                            'semantics only (--probe_semantics=parallel)')
   fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, semantics=sem,
                            exit_eps=x.exit_eps, progress=opts.progress)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
@@ -163,10 +166,10 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
                         flags=common.flag_record(opts, ld, x), checkpoint=ld.checkpoint_info(),
                         markdown=md)
   h = res['heldout']
-  print(f"{name} (rank {x.rank}, {x.hidden} hidden, {sem} semantics): held-out RMSE of log KL {h['rmse_log_kl']:.3f}, Spearman "
-        f"with KL {h['spearman_probe']:.4f} (state change {h['spearman_state_change']:.4f}), "
-        f"censored MSE {h['mse_censored']:.3f}; "
-        f"saved {path}; report {paths['md']}")
+  print(f"{name} (rank {x.rank}, {x.hidden} hidden, {sem} semantics): held-out RMSE of log "
+        f"KL {h['rmse_log_kl']:.3f}, Spearman with KL {h['spearman_probe']:.4f} (state change "
+        f"{h['spearman_state_change']:.4f}), censored MSE {h['mse_censored']:.3f}; saved "
+        f"{path}; report {paths['md']}")
   return {'results': res, 'paths': paths, 'router': path}
 
 
@@ -174,7 +177,6 @@ if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
-      rank=RANK.value,
-      hidden=HIDDEN.value, semantics=SEMANTICS.value,
+      rank=RANK.value, hidden=HIDDEN.value, semantics=SEMANTICS.value,
       exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
                      or ()))))

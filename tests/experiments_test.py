@@ -172,6 +172,10 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   semantics, its books count the probe, and in-sample batches or a missing file are refused."""
   with pytest.raises(common.SetupError, match='--kl_probe: no .*--probe=kl_probe'):
     sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
+  for bad, why in ((dict(exit_eps=(0.1,)), "the KL probe's"),
+                   (dict(probe='kl_probe', exit_eps=(0.1,), semantics='cached'), 'parallel')):
+    with pytest.raises(common.SetupError, match=why):
+      train_router.run(_opts(workdir), train_router.RouterOptions(**bad))
   for sem, rank in (('parallel', 4), ('cached', 4)):
     out = train_router.run(_opts(workdir), train_router.RouterOptions(
         steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe',

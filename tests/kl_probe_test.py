@@ -20,7 +20,8 @@ B, L, R = 2, 8, 5
 def probe_np(probe, s_new, s_old):
   """The probe's KL estimate in float64 (gelu: the tanh form jax.nn.gelu computes)."""
   p = {k: np.asarray(v, np.float64) for k, v in probe._asdict().items()}
-  s, d = np.asarray(s_new, np.float64), np.asarray(s_new, np.float64) - np.asarray(s_old, np.float64)
+  s = np.asarray(s_new, np.float64)
+  d = s - np.asarray(s_old, np.float64)
   q = d @ p['a_DxK']
   x = (s - p['mu_D']) / p['sd_D']
   out = p['alpha'] * np.log(np.sum(q * q, -1) + 1e-12) + x @ p['w_D'] + p['b']
