@@ -26,7 +26,7 @@ import optax
 from elastic_depth import analysis, decoding, inference, model as model_lib
 from elastic_depth.config import ExitConfig, Semantics
 from elastic_depth.kernels import kl_halting
-from elastic_depth.policies import KLProbe, kl_probe_log, relative_change
+from elastic_depth.policies import KLProbe, kl_probe_log_of_change, relative_change
 
 # KL below 1e-7 nats (under any threshold worth using; deep loops sit at the fp32 noise
 # floor) is censored: the fit asks only that the estimate be below it there.
@@ -191,8 +191,8 @@ def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: floa
 
 
 def _predict(probe: KLProbe, d_NxD, x_NxD):
-  """The probe's log KL for flat pairs (s_old = s_i - delta)."""
-  return kl_probe_log(probe, x_NxD[None], (x_NxD - d_NxD)[None])[0]
+  """The probe's log KL for flat pairs (state x, change d)."""
+  return kl_probe_log_of_change(probe, x_NxD[None], d_NxD[None])[0]
 
 
 def _ranks(v: np.ndarray) -> np.ndarray:

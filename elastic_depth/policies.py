@@ -99,7 +99,11 @@ Probe = Union[Router, KLProbe]  # the state probes a check may carry (policy rou
 def kl_probe_log(probe: KLProbe, s_new_BxLxD: jax.Array, s_old_BxLxD: jax.Array) -> jax.Array:
   """The probe's estimate of log KL(p_i || p_{i-1}) per token, fp32 [B, L]."""
   s = s_new_BxLxD.astype(jnp.float32)
-  d = s - s_old_BxLxD.astype(jnp.float32)
+  return kl_probe_log_of_change(probe, s, s - s_old_BxLxD.astype(jnp.float32))
+
+
+def kl_probe_log_of_change(probe: KLProbe, s: jax.Array, d: jax.Array) -> jax.Array:
+  """kl_probe_log from the state s_i and its change d = s_i - s_{i-1} (fp32, [B, L, D])."""
   q_BxLxK = jnp.einsum('BLD,DK->BLK', d, probe.a_DxK)
   x = (s - probe.mu_D) / probe.sd_D
   out = (probe.alpha * jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
