@@ -11,7 +11,10 @@ a rank-K quadratic form of the state change (what KL is to second order through 
 readout Jacobian and Fisher) with a per-token scale read linearly off the state (how
 peaked p_i is), and optionally H hidden units for what neither captures. It costs
 ~2DK + 4DH FLOPs per check (`policies.probe_flops`). Policy `kl_probe` exits where the
-estimate is below eps, in the same units as KL.
+estimate is below eps, in the same units as KL. The map from state to KL differs between
+the first loops (large, fast-falling KL) and later ones, so a probe may carry one set of
+parameters per loop (`fit(loops=...)`); a check reads the set of its own loop, at the
+same cost.
 """
 
 import json
@@ -148,27 +151,48 @@ def _cached_run(mdl, r_max: int, rng):
 
 
 def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: float = 1e-2,
-        seed: int = 0, batch: int = 16384) -> KLProbe:
+        seed: int = 0, batch: int = 16384, loops: int = 1) -> KLProbe:
+  """One parameter set per loop 2..loops (the last also for every later loop; loops = 1:
+  one for all), each fitted on its loops' pairs alone (`_fit_set`)."""
+  group = np.asarray(probe_loop_np(h.loops_N, loops))
+  sets = []
+  for g in range(int(group.max()) + 1):
+    m = group == g
+    if not m.any():
+      raise ValueError(f'kl_probe.fit: no pairs from loop {g + 2} (harvest deeper, or fit '
+                       f'fewer loop sets than loops={loops})')
+    sets.append(_fit_set(Harvest(h.delta_NxD[m], h.states_NxD[m], h.log_kl_N[m],
+                                 h.loops_N[m]), rank, hidden, steps, lr, seed, batch))
+  return jax.tree.map(lambda *a: jnp.stack(a), *sets)
+
+
+def probe_loop_np(loops_N, n_sets: int) -> np.ndarray:
+  """policies.probe_loop for numpy loop indices and a probe of n_sets sets."""
+  return np.clip(np.asarray(loops_N) - 2, 0, n_sets - 1)
+
+
+def _fit_set(h: Harvest, rank: int, hidden: int, steps: int, lr: float, seed: int,
+             batch: int) -> KLProbe:
   """Least squares on log KL, censored at LOG_FLOOR (Adam on `batch` pairs drawn per step,
   all of them when fewer); A and W1 start random, alpha at 1, the hidden readout at 0 and
-  b at the mean residual."""
+  b at the mean residual. Returns a one-set probe without the leading axis."""
   d, x = jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)
   y = jnp.asarray(h.log_kl_N)
   mu, sd = x.mean(0), x.std(0) + 1e-6
   dim = d.shape[1]
   k_a, k_w = jax.random.split(jax.random.key(seed))
-  params = {'a_DxK': jax.random.normal(k_a, (dim, rank)) / np.sqrt(dim * rank),
-            'w_D': jnp.zeros(dim), 'b': jnp.zeros(()), 'alpha': jnp.ones(()),
-            'w1_2DxH': jax.random.normal(k_w, (2 * dim, hidden)) / np.sqrt(2 * dim),
-            'b1_H': jnp.zeros(hidden), 'w2_H': jnp.zeros(hidden)}
-  probe = lambda p, mu, sd: KLProbe(mu_D=mu, sd_D=sd, **p)
-  params['b'] = jnp.mean(y - _predict(probe(params, mu, sd), d, x))
+  params = {'a_RxDxK': jax.random.normal(k_a, (dim, rank)) / np.sqrt(dim * rank),
+            'w_RxD': jnp.zeros(dim), 'b_R': jnp.zeros(()), 'alpha_R': jnp.ones(()),
+            'w1_Rx2DxH': jax.random.normal(k_w, (2 * dim, hidden)) / np.sqrt(2 * dim),
+            'b1_RxH': jnp.zeros(hidden), 'w2_RxH': jnp.zeros(hidden)}
+  probe = lambda p, mu, sd: KLProbe(mu_RxD=mu, sd_RxD=sd, **p)
+  params['b_R'] = jnp.mean(y - _predict_set(probe(params, mu, sd), d, x))
   tx = optax.adam(lr)
   opt = tx.init(params)
 
   def loss_fn(p, data):  # the data are arguments: closed over, XLA would fold them in
     d, x, y, mu, sd = data
-    pred = _predict(probe(p, mu, sd), d, x)
+    pred = _predict_set(probe(p, mu, sd), d, x)
     err = jnp.where(y <= LOG_FLOOR, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
     return jnp.mean(err * err)
 
@@ -190,9 +214,21 @@ def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: floa
   return probe(params, mu, sd)
 
 
-def _predict(probe: KLProbe, d_NxD, x_NxD):
-  """The probe's log KL for flat pairs (state x, change d)."""
-  return kl_probe_log_of_change(probe, x_NxD[None], d_NxD[None])[0]
+def _predict_set(one: KLProbe, d_NxD, x_NxD):
+  """A one-set probe's (no leading axis) log KL for flat pairs (state x, change d)."""
+  stacked = jax.tree.map(lambda a: a[None], one)
+  return kl_probe_log_of_change(stacked, x_NxD[None], d_NxD[None], 2)[0]
+
+
+def _predict(probe: KLProbe, h: Harvest) -> np.ndarray:
+  """The probe's log KL for a harvest's pairs, each with its loop's parameter set."""
+  group = probe_loop_np(h.loops_N, probe.a_RxDxK.shape[0])
+  pred = np.zeros(len(group), np.float32)
+  for g in np.unique(group):
+    m = group == g
+    pred[m] = np.asarray(_predict_set(jax.tree.map(lambda a: a[g], probe),
+                                      jnp.asarray(h.delta_NxD[m]), jnp.asarray(h.states_NxD[m])))
+  return pred
 
 
 def _ranks(v: np.ndarray) -> np.ndarray:
@@ -210,7 +246,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 def evaluate(probe: KLProbe, h: Harvest) -> dict:
   """How well the probe, and the relative state change for comparison, order the true KL
   (censored at LOG_FLOOR: the estimate is floored there too; RMSE over pairs above it)."""
-  pred = np.asarray(_predict(probe, jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)))
+  pred = _predict(probe, h)
   x = jnp.asarray(h.states_NxD)[None]
   change = np.asarray(relative_change(x, x - jnp.asarray(h.delta_NxD)[None])[0])
   y = h.log_kl_N
@@ -218,8 +254,8 @@ def evaluate(probe: KLProbe, h: Harvest) -> dict:
   return {'n': int(len(y)), 'share_floored': float(1.0 - above.mean()),
           'rmse_log_kl': float(np.sqrt(np.mean((pred[above] - y[above]) ** 2))),
           'spearman_probe': spearman(np.maximum(pred, LOG_FLOOR), y),
-          'spearman_state_change': spearman(change, y), 'rank': int(probe.a_DxK.shape[1]),
-          'hidden': int(probe.w2_H.shape[0]),
+          'spearman_state_change': spearman(change, y), 'rank': int(probe.a_RxDxK.shape[2]),
+          'hidden': int(probe.w2_RxH.shape[1]), 'loops': int(probe.a_RxDxK.shape[0]),
           'mse_censored': float(np.mean(np.where(above, pred - y, np.maximum(pred - y, 0)) ** 2))}
 
 
@@ -230,11 +266,16 @@ def file_name(semantics) -> str:
 
 
 def save(probe: KLProbe, path: str, fit_record: Optional[dict] = None) -> None:
-  """Writes the probe as JSON (D x K + 3 D numbers), with what it was fitted on."""
+  """Writes the probe as JSON (R x (D x K + 3 D) numbers), with what it was fitted on."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   doc = {k: np.asarray(v).tolist() for k, v in probe._asdict().items()}
   with open(path, 'w', encoding='utf-8') as f:
     json.dump({**doc, 'fit': fit_record}, f)
+
+
+# the one-set files of the twenty-fifth session: these names, no leading loop axis
+_ONE_SET = dict(zip(KLProbe._fields, ('a_DxK', 'w_D', 'b', 'mu_D', 'sd_D', 'alpha', 'w1_2DxH',
+                                       'b1_H', 'w2_H')))
 
 
 def load(path: str, d_model: Optional[int] = None) -> KLProbe:
@@ -245,10 +286,16 @@ def load(path: str, d_model: Optional[int] = None) -> KLProbe:
   try:
     with open(path, encoding='utf-8') as f:
       doc = json.load(f)
-    probe = KLProbe(**{k: jnp.asarray(doc[k], jnp.float32) for k in KLProbe._fields})
+    if 'a_RxDxK' in doc:
+      probe = KLProbe(**{k: jnp.asarray(doc[k], jnp.float32) for k in KLProbe._fields})
+    else:
+      probe = KLProbe(**{k: jnp.asarray(doc[old], jnp.float32)[None]
+                         for k, old in _ONE_SET.items()})
+    if probe.a_RxDxK.ndim != 3:
+      raise ValueError(f'a_RxDxK has shape {probe.a_RxDxK.shape}')
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f'{path} is not a KL probe written by kl_probe.save: {e!r}') from None
-  dim = probe.a_DxK.shape[0]
+  dim = probe.a_RxDxK.shape[1]
   if d_model is not None and dim != d_model:
     raise ValueError(f'{path} was fitted on {dim}-wide states, the model has d_model={d_model}')
   return probe

@@ -81,37 +81,45 @@ class KLProbe(NamedTuple):
   """KL(p_i || p_{i-1}) read off the state, in log space: alpha log ||(s_i - s_{i-1}) A||^2
   (a rank-K quadratic form of the change) + x_i.w + b (x_i the standardised s_i: how
   peaked p_i is) + w2.gelu([x_i, (s_i - s_{i-1}) / sd] W1 + b1) (H hidden units; H = 0:
-  none)."""
-  a_DxK: jax.Array
-  w_D: jax.Array
-  b: jax.Array
-  mu_D: jax.Array   # feature standardisation of s_i
-  sd_D: jax.Array
-  alpha: jax.Array  # the quadratic form's exponent
-  w1_2DxH: jax.Array
-  b1_H: jax.Array
-  w2_H: jax.Array
+  none). One set of parameters per loop (leading axis R): set r serves loop r + 2, the
+  last set every loop after it too (`probe_loop`); R = 1: one set for all loops."""
+  a_RxDxK: jax.Array
+  w_RxD: jax.Array
+  b_R: jax.Array
+  mu_RxD: jax.Array   # feature standardisation of s_i
+  sd_RxD: jax.Array
+  alpha_R: jax.Array  # the quadratic form's exponent
+  w1_Rx2DxH: jax.Array
+  b1_RxH: jax.Array
+  w2_RxH: jax.Array
 
 
 Probe = Union[Router, KLProbe]  # the state probes a check may carry (policy router, kl_probe)
 
 
-def kl_probe_log(probe: KLProbe, s_new_BxLxD: jax.Array, s_old_BxLxD: jax.Array) -> jax.Array:
-  """The probe's estimate of log KL(p_i || p_{i-1}) per token, fp32 [B, L]."""
+def probe_loop(probe: KLProbe, i):
+  """The parameter set (index on KLProbe's leading axis) that serves loop i (>= 2)."""
+  return jnp.clip(jnp.asarray(i) - 2, 0, probe.a_RxDxK.shape[0] - 1)
+
+
+def kl_probe_log(probe: KLProbe, s_new_BxLxD: jax.Array, s_old_BxLxD: jax.Array,
+                 i) -> jax.Array:
+  """The probe's estimate of log KL(p_i || p_{i-1}) at loop i per token, fp32 [B, L]."""
   s = s_new_BxLxD.astype(jnp.float32)
-  return kl_probe_log_of_change(probe, s, s - s_old_BxLxD.astype(jnp.float32))
+  return kl_probe_log_of_change(probe, s, s - s_old_BxLxD.astype(jnp.float32), i)
 
 
-def kl_probe_log_of_change(probe: KLProbe, s: jax.Array, d: jax.Array) -> jax.Array:
+def kl_probe_log_of_change(probe: KLProbe, s: jax.Array, d: jax.Array, i) -> jax.Array:
   """kl_probe_log from the state s_i and its change d = s_i - s_{i-1} (fp32, [B, L, D])."""
-  q_BxLxK = jnp.einsum('BLD,DK->BLK', d, probe.a_DxK)
-  x = (s - probe.mu_D) / probe.sd_D
-  out = (probe.alpha * jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
-         + jnp.einsum('BLD,D->BL', x, probe.w_D) + probe.b)
-  if probe.w2_H.shape[0]:
-    z = jnp.concatenate([x, d / probe.sd_D], -1)
-    h_BxLxH = jax.nn.gelu(jnp.einsum('BLC,CH->BLH', z, probe.w1_2DxH) + probe.b1_H)
-    out = out + jnp.einsum('BLH,H->BL', h_BxLxH, probe.w2_H)
+  p = jax.tree.map(lambda a: a[probe_loop(probe, i)], probe)  # one loop's set, axis R gone
+  q_BxLxK = jnp.einsum('BLD,DK->BLK', d, p.a_RxDxK)
+  x = (s - p.mu_RxD) / p.sd_RxD
+  out = (p.alpha_R * jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
+         + jnp.einsum('BLD,D->BL', x, p.w_RxD) + p.b_R)
+  if p.w2_RxH.shape[0]:
+    z = jnp.concatenate([x, d / p.sd_RxD], -1)
+    h_BxLxH = jax.nn.gelu(jnp.einsum('BLC,CH->BLH', z, p.w1_Rx2DxH) + p.b1_RxH)
+    out = out + jnp.einsum('BLH,H->BL', h_BxLxH, p.w2_RxH)
   return out
 
 
@@ -120,7 +128,7 @@ def probe_size(probe: Optional[Probe]) -> Optional[tuple[int, int]]:
   if probe is None:
     return None
   if isinstance(probe, KLProbe):
-    return int(probe.a_DxK.shape[-1]), int(probe.w2_H.shape[0])
+    return int(probe.a_RxDxK.shape[-1]), int(probe.w2_RxH.shape[-1])
   return 0, 0
 
 
@@ -134,12 +142,12 @@ def probe_flops(size: Optional[Sequence[int]], d_model: int) -> int:
   return 4 * d_model + 2 * (d_model + 1) * k + (d_model + 4 * d_model * h + 13 * h) * (h > 0)
 
 
-def _probe_stats(probe: Optional[Probe], s_new, s_old) -> dict:
+def _probe_stats(probe: Optional[Probe], s_new, s_old, i) -> dict:
   """The statistic a state probe adds to a check: the router's P(change) or the KL estimate."""
   if probe is None:
     return {}
   if isinstance(probe, KLProbe):
-    return {'kl_hat': jnp.exp(kl_probe_log(probe, s_new, s_old))}
+    return {'kl_hat': jnp.exp(kl_probe_log(probe, s_new, s_old, i))}
   return {'p_change': jax.nn.sigmoid(router_logit(probe, s_new))}
 
 
@@ -375,7 +383,7 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
         stats['nll'] = st['lse'] - st['logit_t']
       if trace and trace_states:
         stats['state'] = s_new.astype(jnp.float32)
-    stats.update(_probe_stats(router, s_new, s_old))
+    stats.update(_probe_stats(router, s_new, s_old, i))
     if patient:
       run = run_below(stats['delta'], eps, i, carry.prev, active)
       return run >= patience, carry._replace(prev=run), stats if trace else {}

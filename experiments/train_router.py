@@ -42,6 +42,7 @@ class RouterOptions:
   probe: str = 'router'      # 'router' (A2) or 'kl_probe'
   rank: int = 32             # the KL probe's rank K
   hidden: int = 0            # the KL probe's hidden units H
+  loops: int = 1             # the KL probe's parameter sets: loops 2, 3, ..., the last for the rest
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
   exit_eps: tuple[float, ...] = ()  # the KL probe's: also runs under the KL exit at these
 
@@ -66,6 +67,10 @@ RANK = flags.DEFINE_integer('probe_rank', RouterOptions.rank, 'Rank K of the KL 
                             lower_bound=1)
 HIDDEN = flags.DEFINE_integer('probe_hidden', RouterOptions.hidden, 'Hidden units H of the '
                               'KL probe (0: none).', lower_bound=0)
+LOOPS = flags.DEFINE_integer('probe_loops', RouterOptions.loops, 'Parameter sets of the KL '
+                             'probe, one per loop from loop 2 on, each fitted on its loop\'s '
+                             'pairs; the last serves every later loop too (1: one set for all '
+                             'loops).', lower_bound=1)
 EXIT_EPS = flags.DEFINE_list('probe_exit_eps', [], 'The KL probe (parallel semantics): also '
                              'fit on runs under the exact KL exit at these eps (the states '
                              'that runs with exits reach), beside the uniform run.')
@@ -92,9 +97,9 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if first < 1 or n_fit < 1:
     raise common.SetupError(f'--fit_from={first} and --fit_batches={n_fit} must be >= 1 '
                             '(batches before --fit_from are the held-out ones)')
-  if (x.exit_eps or x.semantics != 'parallel') and x.probe != 'kl_probe':
-    raise common.SetupError('--probe_exit_eps and --probe_semantics are the KL probe\'s '
-                            '(--probe=kl_probe)')
+  if (x.exit_eps or x.semantics != 'parallel' or x.loops != 1) and x.probe != 'kl_probe':
+    raise common.SetupError('--probe_exit_eps, --probe_semantics and --probe_loops are the KL '
+                            'probe\'s (--probe=kl_probe)')
   if x.exit_eps and x.semantics != 'parallel':
     raise common.SetupError('--probe_exit_eps: runs with exits are harvested in parallel '
                             'semantics only (--probe_semantics=parallel)')
@@ -150,7 +155,8 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
                            exit_eps=x.exit_eps, progress=opts.progress)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem, progress=opts.progress)
-  probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr)
+  probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr,
+                       loops=min(x.loops, ld.r_max - 1))
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
          'semantics': sem}
@@ -166,7 +172,8 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
                         flags=common.flag_record(opts, ld, x), checkpoint=ld.checkpoint_info(),
                         markdown=md)
   h = res['heldout']
-  print(f"{name} (rank {x.rank}, {x.hidden} hidden, {sem} semantics): held-out RMSE of log "
+  print(f"{name} (rank {x.rank}, {x.hidden} hidden, {h['loops']} loop sets, {sem} semantics): "
+        f"held-out RMSE of log "
         f"KL {h['rmse_log_kl']:.3f}, Spearman with KL {h['spearman_probe']:.4f} (state change "
         f"{h['spearman_state_change']:.4f}), censored MSE {h['mse_censored']:.3f}; saved "
         f"{path}; report {paths['md']}")
@@ -177,6 +184,6 @@ if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
-      rank=RANK.value, hidden=HIDDEN.value, semantics=SEMANTICS.value,
+      rank=RANK.value, hidden=HIDDEN.value, loops=LOOPS.value, semantics=SEMANTICS.value,
       exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
                      or ()))))

@@ -91,8 +91,9 @@ def _router(d, policy='router'):
   rs = np.random.default_rng(1)
   if policy == 'kl_probe':
     f = lambda scale, *shape: jnp.asarray(scale * rs.normal(size=shape), jnp.float32)
-    return policies.KLProbe(f(0.5, d, 3), f(0.2, d), jnp.float32(0.0), jnp.zeros(d),
-                            jnp.ones(d), jnp.float32(1.0), f(0.3, 2 * d, 2), f(0.1, 2), f(0.3, 2))
+    one = policies.KLProbe(f(0.5, d, 3), f(0.2, d), jnp.float32(0.0), jnp.zeros(d),
+                           jnp.ones(d), jnp.float32(1.0), f(0.3, 2 * d, 2), f(0.1, 2), f(0.3, 2))
+    return jax.tree.map(lambda a: a[None], one)  # one parameter set for every loop
   return policies.Router(jnp.asarray(rs.normal(size=d), jnp.float32), jnp.float32(0.0),
                          jnp.zeros(d), jnp.ones(d))
 

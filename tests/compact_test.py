@@ -36,8 +36,8 @@ def setup():
                                jax.random.key(0), router=router, trace=True).traces
             for n, m in models.items()}
   f = lambda *shape: jnp.asarray(0.3 * r.normal(size=shape), jnp.float32)
-  kl_probe = policies.KLProbe(f(32, 4), f(32), jnp.float32(0.5), jnp.zeros(32), jnp.ones(32),
-                              jnp.float32(1.0), f(64, 3), f(3), f(3))
+  kl_probe = policies.KLProbe(f(2, 32, 4), f(2, 32), 0.5 + f(2), jnp.zeros((2, 32)),
+                              jnp.ones((2, 32)), 1.0 + f(2), f(2, 64, 3), f(2, 3), f(2, 3))
   for n, m in models.items():  # the KL probe's estimate beside the router's statistics
     traces[n] = dict(traces[n], kl_hat=inference.score(
         m, toks, config.ExitConfig(policy='uniform', depth=R), jax.random.key(0),

@@ -17,7 +17,7 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None, probe=No
 
   With a gate (policy gated_kl) a token exits only where also ||s_i - s_{i-1}|| / ||s_i|| < gate.
   With a KL probe (policy kl_probe, which also prefills the prompt) the statistic is
-  probe_stat(s_i, s_{i-1}) in float64 instead of the KL. record (a dict) collects each
+  probe_stat(s_i, s_{i-1}, i) in float64 instead of the KL. record (a dict) collects each
   token's per-loop KL and state: record['kl'][t] [R], record['state'][t] [R, D].
   """
   b, l = toks.shape
@@ -64,7 +64,7 @@ def brute_cached(mdl, toks, prompt_len, eps, max_loops, rng, gate=None, probe=No
       kls.append(kl)
       states.append(sn[0, 0])
       if probe is not None:
-        kl = probe_stat(sn[:, 0], s_old[:, 0])[0]
+        kl = probe_stat(sn[:, 0], s_old[:, 0], i)[0]
       delta = np.linalg.norm(sn - s_old) / np.linalg.norm(sn)
       if i >= 2 and kl < eps and (gate is None or delta < gate):
         break

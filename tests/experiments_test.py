@@ -16,7 +16,7 @@ import pytest
 from conftest import built_once, nll_np
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, train
 from elastic_depth.data import synthetic
-from elastic_depth import router as router_lib
+from elastic_depth import kl_probe, router as router_lib
 from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,16 +172,18 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   semantics, its books count the probe, and in-sample batches or a missing file are refused."""
   with pytest.raises(common.SetupError, match='--kl_probe: no .*--probe=kl_probe'):
     sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
-  for bad, why in ((dict(exit_eps=(0.1,)), "the KL probe's"),
+  for bad, why in ((dict(exit_eps=(0.1,)), "the KL probe's"), (dict(loops=3), "the KL probe's"),
                    (dict(probe='kl_probe', exit_eps=(0.1,), semantics='cached'), 'parallel')):
     with pytest.raises(common.SetupError, match=why):
       train_router.run(_opts(workdir), train_router.RouterOptions(**bad))
-  for sem, rank in (('parallel', 4), ('cached', 4)):
+  for sem, loops in (('parallel', 1), ('cached', 3)):
     out = train_router.run(_opts(workdir), train_router.RouterOptions(
         steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe',
-        rank=rank, hidden=2, semantics=sem))
+        rank=4, hidden=2, semantics=sem, loops=loops))
     res = _numbers(out['paths']['json'])
     assert res['fit']['batches'] == [2] and res['semantics'] == sem
+    assert res['r_max'] > 2 and res['heldout']['loops'] == min(loops, res['r_max'] - 1)
+    assert kl_probe.load(out['router']).a_RxDxK.shape[0] == res['heldout']['loops']
     assert out['router'].endswith({'parallel': 'kl_probe.json',
                                    'cached': 'kl_probe_cached.json'}[sem])
     assert -1 <= res['heldout']['spearman_probe'] <= 1

@@ -17,44 +17,54 @@ from elastic_depth import policies
 B, L, R = 2, 8, 5
 
 
-def probe_np(probe, s_new, s_old):
-  """The probe's KL estimate in float64 (gelu: the tanh form jax.nn.gelu computes)."""
-  p = {k: np.asarray(v, np.float64) for k, v in probe._asdict().items()}
+def probe_np(probe, s_new, s_old, i=2):
+  """The probe's KL estimate at loop i in float64 (gelu: the tanh form jax.nn.gelu
+  computes), with the parameter set of loop i: i - 2, the last one beyond."""
+  g = min(max(i - 2, 0), probe.a_RxDxK.shape[0] - 1)
+  p = {k: np.asarray(v, np.float64)[g] for k, v in probe._asdict().items()}
   s = np.asarray(s_new, np.float64)
   d = s - np.asarray(s_old, np.float64)
-  q = d @ p['a_DxK']
-  x = (s - p['mu_D']) / p['sd_D']
-  out = p['alpha'] * np.log(np.sum(q * q, -1) + 1e-12) + x @ p['w_D'] + p['b']
-  z = np.concatenate([x, d / p['sd_D']], -1) @ p['w1_2DxH'] + p['b1_H']
+  q = d @ p['a_RxDxK']
+  x = (s - p['mu_RxD']) / p['sd_RxD']
+  out = p['alpha_R'] * np.log(np.sum(q * q, -1) + 1e-12) + x @ p['w_RxD'] + p['b_R']
+  z = np.concatenate([x, d / p['sd_RxD']], -1) @ p['w1_Rx2DxH'] + p['b1_RxH']
   gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
-  return np.exp(out + gelu @ p['w2_H'])
+  return np.exp(out + gelu @ p['w2_RxH'])
 
 
-def random_probe(d, k=4, seed=0, scale=1.0, hidden=3):
+def random_probe(d, k=4, seed=0, scale=1.0, hidden=3, loops=1):
+  """A probe with `loops` random parameter sets."""
   r = np.random.default_rng(seed)
-  f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
-  return policies.KLProbe(scale * f(d, k), 0.3 * f(d), jnp.float32(0.5), 0.1 * f(d),
-                          jnp.asarray(0.5 + r.random(d), jnp.float32), jnp.float32(0.8),
-                          0.3 * f(2 * d, hidden), 0.1 * f(hidden), 0.5 * f(hidden))
+  f = lambda *s: jnp.asarray(r.normal(size=(loops,) + s), jnp.float32)
+  return policies.KLProbe(scale * f(d, k), 0.3 * f(d), 0.5 + f(), 0.1 * f(d),
+                          jnp.asarray(0.5 + r.random((loops, d)), jnp.float32),
+                          0.8 + 0.1 * f(), 0.3 * f(2 * d, hidden), 0.1 * f(hidden),
+                          0.5 * f(hidden))
 
 
 def test_estimate_matches_float64_numpy():
-  probe = random_probe(16, 4)
+  """Every loop reads its own parameter set; loops beyond the last set read the last."""
   r = np.random.default_rng(1)
   s_new, s_old = r.normal(size=(2, 3, 16)), r.normal(size=(2, 3, 16))
-  got = np.exp(np.asarray(policies.kl_probe_log(probe, jnp.asarray(s_new, jnp.float32),
-                                                jnp.asarray(s_old, jnp.float32))))
-  np.testing.assert_allclose(got, probe_np(probe, s_new, s_old), rtol=2e-4)
+  for loops in (1, 3):
+    probe = random_probe(16, 4, loops=loops)
+    for i in (2, 3, 4, 7):
+      got = np.exp(np.asarray(policies.kl_probe_log(probe, jnp.asarray(s_new, jnp.float32),
+                                                    jnp.asarray(s_old, jnp.float32), i)))
+      np.testing.assert_allclose(got, probe_np(probe, s_new, s_old, i), rtol=2e-4)
+  other = [np.asarray(policies.kl_probe_log(probe, jnp.asarray(s_new, jnp.float32),
+                                            jnp.asarray(s_old, jnp.float32), i)) for i in (2, 3)]
+  assert np.abs(other[0] - other[1]).max() > 0.1  # the sets differ, so the test can fail
 
 
-@pytest.mark.parametrize('hidden', [0, 8])
-def test_probe_flops_match_xla_count(hidden):
+@pytest.mark.parametrize('hidden,loops', [(0, 1), (8, 1), (8, 4)])
+def test_probe_flops_match_xla_count(hidden, loops):
   """policies.probe_flops against XLA's compiled FLOP count of the estimate (15%: XLA
-  counts the log, exp and gelu its own way)."""
+  counts the log, exp and gelu its own way); per-loop sets cost no more per check."""
   d, k, n = 64, 16, 256
-  probe = random_probe(d, k, hidden=hidden)
+  probe = random_probe(d, k, hidden=hidden, loops=loops)
   x = jnp.ones((1, n, d), jnp.float32)
-  cost = jax.jit(lambda a, b: policies.kl_probe_log(probe, a, b)).lower(x, x).compile()
+  cost = jax.jit(lambda a, b: policies.kl_probe_log(probe, a, b, 2)).lower(x, x).compile()
   xla = cost.cost_analysis()
   xla = (xla[0] if isinstance(xla, list) else xla)['flops'] / n
   assert policies.probe_size(probe) == (k, hidden)
@@ -62,21 +72,44 @@ def test_probe_flops_match_xla_count(hidden):
   assert policies.probe_flops(None, d) == 0
 
 
+def _planted(truth, n, seed, loops_N):
+  """Harvest pairs whose log KL is the planted probe's at each pair's loop, plus noise."""
+  r = np.random.default_rng(seed)
+  d = truth.a_RxDxK.shape[1]
+  x = r.normal(size=(n, d)).astype(np.float32)
+  delta = (r.normal(size=(n, d)) * np.exp(r.normal(size=(n, 1)))).astype(np.float32)
+  y = np.concatenate([np.log(probe_np(truth, x[j:j + 1], x[j:j + 1] - delta[j:j + 1], i))
+                      for j, i in enumerate(loops_N)]) + 0.05 * r.normal(size=n)
+  return kl_probe.Harvest(delta, x, y.astype(np.float32), np.asarray(loops_N))
+
+
 def test_fit_recovers_a_planted_probe():
   """Pairs whose log KL is a planted probe's estimate (plus noise): the fit predicts held-out
   pairs to the noise level and orders them as the truth does."""
-  d, n = 12, 4000
-  truth = random_probe(d, 3, seed=3, hidden=0)
-  r = np.random.default_rng(4)
-  x = r.normal(size=(2 * n, d)).astype(np.float32)
-  delta = (r.normal(size=(2 * n, d)) * np.exp(r.normal(size=(2 * n, 1)))).astype(np.float32)
-  y = np.log(probe_np(truth, x, x - delta)) + 0.05 * r.normal(size=2 * n)
-  h = lambda sl: kl_probe.Harvest(delta[sl], x[sl], y[sl].astype(np.float32), np.full(n, 2))
+  truth = random_probe(12, 3, seed=3, hidden=0)
+  fit_h, test_h = (_planted(truth, 4000, s, np.full(4000, 2)) for s in (4, 5))
   for hidden in (0, 4):  # the hidden units must not spoil a fit the quadratic form makes
-    probe = kl_probe.fit(h(slice(0, n)), rank=3, hidden=hidden, steps=1500, lr=1e-2)
-    ev = kl_probe.evaluate(probe, h(slice(n, 2 * n)))
+    probe = kl_probe.fit(fit_h, rank=3, hidden=hidden, steps=1500, lr=1e-2)
+    ev = kl_probe.evaluate(probe, test_h)
     assert ev['rmse_log_kl'] < 0.15
     assert ev['spearman_probe'] > 0.99
+
+
+def test_fit_recovers_planted_per_loop_sets():
+  """Two planted sets (loop 2; loops 3 and later): a two-set fit recovers both, each from
+  its loops' pairs; one set for all loops cannot."""
+  truth = random_probe(12, 3, seed=6, hidden=0, loops=2)
+  loops = np.random.default_rng(7).choice([2, 3, 5], 6000)
+  fit_h, test_h = _planted(truth, 6000, 8, loops), _planted(truth, 6000, 9, loops)
+  two = kl_probe.evaluate(kl_probe.fit(fit_h, rank=3, steps=1500, loops=2), test_h)
+  one = kl_probe.evaluate(kl_probe.fit(fit_h, rank=3, steps=1500, loops=1), test_h)
+  assert two['loops'] == 2 and one['loops'] == 1
+  assert two['rmse_log_kl'] < 0.15 and two['spearman_probe'] > 0.99
+  assert one['rmse_log_kl'] > 2 * two['rmse_log_kl']
+  only2 = kl_probe.fit(test_h._replace(loops_N=np.full(6000, 2)), steps=1, loops=2)
+  assert only2.a_RxDxK.shape[0] == 1  # no deeper pairs: one set, which serves every loop
+  with pytest.raises(ValueError, match='no pairs from loop 3'):
+    kl_probe.fit(test_h._replace(loops_N=np.where(loops == 3, 4, loops)), steps=1, loops=3)
 
 
 @pytest.fixture(scope='module')
@@ -152,7 +185,7 @@ def test_cached_harvest_equals_brute_force_cached_decoding(setup):
 
 
 def test_save_load_and_bad_files(tmp_path):
-  probe = random_probe(8, 2)
+  probe = random_probe(8, 2, loops=3)
   path = str(tmp_path / 'kl_probe.json')
   kl_probe.save(probe, path, {'tokens': [1, 9]})
   back = kl_probe.load(path, 8)
@@ -162,10 +195,18 @@ def test_save_load_and_bad_files(tmp_path):
     kl_probe.load(path, 16)
   with pytest.raises(FileNotFoundError, match='--probe=kl_probe'):
     kl_probe.load(str(tmp_path / 'none.json'))
+  # a one-set file of the earlier format (no loop axis, its own names) loads as one set
+  one = {old: np.asarray(v)[0].tolist() for old, v in zip(kl_probe._ONE_SET.values(), probe)}
   with open(path, 'w', encoding='utf-8') as f:
-    json.dump({'w_D': [1.0]}, f)
-  with pytest.raises(ValueError, match='not a KL probe'):
-    kl_probe.load(path)
+    json.dump(one, f)
+  back = kl_probe.load(path, 8)
+  for a, b in zip(probe, back):
+    np.testing.assert_array_equal(np.asarray(a)[:1], np.asarray(b))
+  for bad in ({'w_D': [1.0]}, {k: np.asarray(v)[0].tolist() for k, v in probe._asdict().items()}):
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump(bad, f)
+    with pytest.raises(ValueError, match='not a KL probe'):
+      kl_probe.load(path)
 
 
 def test_policy_needs_its_probe():
@@ -183,14 +224,14 @@ def test_exits_match_brute_force_in_cached_and_parallel_semantics():
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(11))
   rng = jax.random.key(0)
   toks = jnp.asarray([[3, 17, 5, 9, 30, 2, 44, 8, 12]], jnp.int32)
-  probe = random_probe(mdl.cfg.d_model, 4, seed=7, scale=0.3)
+  probe = random_probe(mdl.cfg.d_model, 4, seed=7, scale=0.3, loops=3)
   tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
                        router=probe, trace=True).traces
   eps = safe_eps(list(np.asarray(tr['kl_hat'])))
   cfg = config.ExitConfig(policy='kl_probe', eps=eps, max_loops=R)
   logits, depth, _ = jax.jit(lambda t: decoding.score_cached(mdl, t, 3, cfg, rng, probe))(toks)
   ref_logits, ref_depth = brute_cached(mdl, toks, 3, eps, R, rng, probe=probe,
-                                       probe_stat=lambda s, s_old: probe_np(probe, s, s_old))
+                                       probe_stat=lambda s, s_old, i: probe_np(probe, s, s_old, i))
   np.testing.assert_array_equal(np.asarray(depth), ref_depth)
   assert len(np.unique(ref_depth)) > 1
   np.testing.assert_allclose(np.asarray(logits[:, 1:]), ref_logits[:, :-1], atol=1e-5, rtol=1e-5)
