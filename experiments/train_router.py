@@ -7,7 +7,7 @@
 
 --probe=kl_probe fits `elastic_depth.kl_probe` instead (the model's own successive KL at
 every loop 2..R, regressed on the state change and the state; --probe_rank sets its
-rank), harvested in --probe_semantics (parallel: one uniform-depth forward; cached:
+rank, --probe_loops its parameter sets, by default one per loop), harvested in --probe_semantics (parallel: one uniform-depth forward; cached:
 token by token through decode_step), and writes <workdir>/kl_probe.json or
 kl_probe_cached.json and reports/kl_probe[_cached].{json,md}: the held-out RMSE of log
 KL and the rank correlation with the true KL, beside the state change's.
@@ -42,7 +42,8 @@ class RouterOptions:
   probe: str = 'router'      # 'router' (A2) or 'kl_probe'
   rank: int = 32             # the KL probe's rank K
   hidden: int = 0            # the KL probe's hidden units H
-  loops: int = 1             # the KL probe's parameter sets: loops 2, 3, ..., the last for the rest
+  loops: int = 0             # the KL probe's parameter sets: loops 2, 3, ..., the last for the
+                             # rest (0: one per loop 2..R)
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
   exit_eps: tuple[float, ...] = ()  # the KL probe's: also runs under the KL exit at these
 
@@ -69,8 +70,8 @@ HIDDEN = flags.DEFINE_integer('probe_hidden', RouterOptions.hidden, 'Hidden unit
                               'KL probe (0: none).', lower_bound=0)
 LOOPS = flags.DEFINE_integer('probe_loops', RouterOptions.loops, 'Parameter sets of the KL '
                              'probe, one per loop from loop 2 on, each fitted on its loop\'s '
-                             'pairs; the last serves every later loop too (1: one set for all '
-                             'loops).', lower_bound=1)
+                             'pairs; the last serves every later loop too (0: one per loop '
+                             '2..R; 1: one set for all loops).', lower_bound=0)
 EXIT_EPS = flags.DEFINE_list('probe_exit_eps', [], 'The KL probe (parallel semantics): also '
                              'fit on runs under the exact KL exit at these eps (the states '
                              'that runs with exits reach), beside the uniform run.')
@@ -97,7 +98,7 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if first < 1 or n_fit < 1:
     raise common.SetupError(f'--fit_from={first} and --fit_batches={n_fit} must be >= 1 '
                             '(batches before --fit_from are the held-out ones)')
-  if (x.exit_eps or x.semantics != 'parallel' or x.loops != 1) and x.probe != 'kl_probe':
+  if (x.exit_eps or x.semantics != 'parallel' or x.loops) and x.probe != 'kl_probe':
     raise common.SetupError('--probe_exit_eps, --probe_semantics and --probe_loops are the KL '
                             'probe\'s (--probe=kl_probe)')
   if x.exit_eps and x.semantics != 'parallel':
@@ -156,7 +157,7 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem, progress=opts.progress)
   probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr,
-                       loops=min(x.loops, ld.r_max - 1))
+                       loops=max(1, min(x.loops or ld.r_max, ld.r_max - 1)))
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
          'semantics': sem}
