@@ -71,15 +71,16 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
   Parallel semantics: one forward per batch (`_recorded_loop`). Cached semantics: token
   by token through `decoding.decode_step` (its trace), each token after the tokens
   before it ran r_max loops and offer their last loop's keys/values; position 0 is
-  prefilled and gives no pairs. exit_eps (parallel only): also each batch under the
-  exact KL exit at each of these eps (masked engine, exited tokens frozen), its tokens'
-  loops 2..depth: the states that runs with exits reach. progress: a bar over the runs.
+  prefilled and gives no pairs. exit_eps: also each batch under the exact KL exit at
+  each of these eps, in the same semantics (parallel: masked engine, exited tokens
+  frozen; cached: earlier tokens offer the keys/values of the loop they exited at), its
+  tokens' loops 2..depth: the states that runs with exits reach. progress: a bar over
+  the runs.
   """
   sem = Semantics(semantics)
-  if exit_eps and sem != Semantics.PARALLEL:
-    raise ValueError('kl_probe.harvest: exit_eps needs parallel semantics')
-  runs = [{Semantics.PARALLEL: _parallel_run, Semantics.CACHED: _cached_run}[sem](
-      mdl, r_max, rng)] + [_exit_run(mdl, r_max, rng, e) for e in exit_eps]
+  make = {Semantics.PARALLEL: (_parallel_run, _exit_run),
+          Semantics.CACHED: (_cached_run, _cached_run)}[sem]
+  runs = [make[0](mdl, r_max, rng)] + [make[1](mdl, r_max, rng, e) for e in exit_eps]
   pairs = [[], [], [], []]  # change, state, KL, loop
   jobs = [(fn, b) for fn in runs for b in batches]
   for fn, b in analysis.bar(jobs, f'harvest ({sem.value})', progress):
@@ -126,14 +127,16 @@ def _exit_run(mdl, r_max: int, rng, eps: float):
   return fn
 
 
-def _cached_run(mdl, r_max: int, rng):
-  """batch -> (states, KL, ran) decoded token by token at uniform depth r_max."""
-  cfg = ExitConfig(policy='uniform', depth=r_max, max_loops=r_max)
+def _cached_run(mdl, r_max: int, rng, eps: Optional[float] = None):
+  """batch -> (states, KL, ran) decoded token by token at uniform depth r_max, or under
+  the exact KL exit at eps (ran: the loops up to each token's depth)."""
+  cfg = (ExitConfig(policy='uniform', depth=r_max, max_loops=r_max) if eps is None else
+         ExitConfig(policy='kl', eps=eps, max_loops=r_max))
 
   @jax.jit
   def step(cache, tok_B, pos):
-    _, cache, _, tr = decoding.decode_step(mdl, cache, tok_B, pos, cfg, rng, trace=True)
-    return cache, tr['state'][:, :, 0], tr['kl'][:, :, 0]  # [R, B, D], [R, B]
+    _, cache, depth_B, tr = decoding.decode_step(mdl, cache, tok_B, pos, cfg, rng, trace=True)
+    return cache, tr['state'][:, :, 0], tr['kl'][:, :, 0], depth_B  # [R, B, D], [R, B], [B]
 
   def fn(b):
     toks = jnp.asarray(b['inputs'], jnp.int32)
@@ -141,19 +144,21 @@ def _cached_run(mdl, r_max: int, rng):
     cache, _, _ = decoding.prefill(mdl, toks[:, :1], cfg, rng, length)
     s = np.zeros((r_max, n, length, mdl.cfg.d_model), np.float32)
     kl = np.zeros((r_max, n, length), np.float32)
+    depth = np.zeros((n, length), np.int32)
     for t in range(1, length):
-      cache, st, k = step(cache, toks[:, t], jnp.int32(t))
-      s[:, :, t], kl[:, :, t] = jax.device_get((st, k))
+      cache, st, k, dep = step(cache, toks[:, t], jnp.int32(t))
+      s[:, :, t], kl[:, :, t], depth[:, t] = jax.device_get((st, k, dep))
     keep = np.asarray(b['mask']) > 0
     keep[:, 0] = False  # prefilled
-    return s, kl, np.broadcast_to(keep, kl.shape)
+    return s, kl, keep[None] & (np.arange(1, r_max + 1)[:, None, None] <= depth[None])
   return fn
 
 
 def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: float = 1e-2,
         seed: int = 0, batch: int = 16384, loops: int = 1) -> KLProbe:
-  """One parameter set per loop 2..loops (the last also for every later loop; loops = 1:
-  one for all), each fitted on its loops' pairs alone (`_fit_set`)."""
+  """A probe of `loops` parameter sets: set r for loop r + 2, the last also for every later
+  loop (loops = 1: one for all; fewer where the harvest has fewer loops), each fitted on
+  its loops' pairs alone (`_fit_set`)."""
   group = np.asarray(probe_loop_np(h.loops_N, loops))
   sets = []
   for g in range(int(group.max()) + 1):

@@ -7,8 +7,9 @@
 
 --probe=kl_probe fits `elastic_depth.kl_probe` instead (the model's own successive KL at
 every loop 2..R, regressed on the state change and the state; --probe_rank sets its
-rank, --probe_loops its parameter sets, by default one per loop), harvested in --probe_semantics (parallel: one uniform-depth forward; cached:
-token by token through decode_step), and writes <workdir>/kl_probe.json or
+rank, --probe_loops its parameter sets, by default one per loop), harvested in
+--probe_semantics (parallel: one uniform-depth forward; cached: token by token through
+decode_step), and writes <workdir>/kl_probe.json or
 kl_probe_cached.json and reports/kl_probe[_cached].{json,md}: the held-out RMSE of log
 KL and the rank correlation with the true KL, beside the state change's.
 
@@ -72,9 +73,9 @@ LOOPS = flags.DEFINE_integer('probe_loops', RouterOptions.loops, 'Parameter sets
                              'probe, one per loop from loop 2 on, each fitted on its loop\'s '
                              'pairs; the last serves every later loop too (0: one per loop '
                              '2..R; 1: one set for all loops).', lower_bound=0)
-EXIT_EPS = flags.DEFINE_list('probe_exit_eps', [], 'The KL probe (parallel semantics): also '
-                             'fit on runs under the exact KL exit at these eps (the states '
-                             'that runs with exits reach), beside the uniform run.')
+EXIT_EPS = flags.DEFINE_list('probe_exit_eps', [], 'The KL probe: also fit on runs under '
+                             'the exact KL exit at these eps, in --probe_semantics (the '
+                             'states that runs with exits reach), beside the uniform run.')
 SEMANTICS = flags.DEFINE_enum('probe_semantics', RouterOptions.semantics, ['parallel', 'cached'],
                               'The semantics the KL probe is fitted (and used) in: '
                               'kl_probe.json or kl_probe_cached.json.')
@@ -101,9 +102,6 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if (x.exit_eps or x.semantics != 'parallel' or x.loops) and x.probe != 'kl_probe':
     raise common.SetupError('--probe_exit_eps, --probe_semantics and --probe_loops are the KL '
                             'probe\'s (--probe=kl_probe)')
-  if x.exit_eps and x.semantics != 'parallel':
-    raise common.SetupError('--probe_exit_eps: runs with exits are harvested in parallel '
-                            'semantics only (--probe_semantics=parallel)')
   on_val = x.fit_split == 'val'
   ld = common.load(dataclasses.replace(opts, batches=first + n_fit * on_val))
   if len(ld.batches) < first + n_fit * on_val:

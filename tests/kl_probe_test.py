@@ -162,8 +162,6 @@ def test_exit_harvest_keeps_the_loops_each_token_ran(setup):
   np.testing.assert_array_equal(h.loops_N[n0:], [i for i, _, _ in ran])
   want = np.maximum(np.log([kl[i - 1, r, c] for i, r, c in ran]), kl_probe.LOG_FLOOR)
   np.testing.assert_allclose(h.log_kl_N[n0:], want, atol=1e-3, rtol=1e-3)
-  with pytest.raises(ValueError, match='parallel semantics'):
-    kl_probe.harvest(mdl, [b], R, rng, exit_eps=[eps], semantics='cached')
 
 
 def test_cached_harvest_equals_brute_force_cached_decoding(setup):
@@ -182,6 +180,28 @@ def test_cached_harvest_equals_brute_force_cached_decoding(setup):
                              atol=1e-4)
   np.testing.assert_allclose(h.delta_NxD, (states[1:] - states[:-1]).reshape(
       -1, states.shape[-1]), atol=1e-4)
+
+
+def test_cached_exit_harvest_equals_brute_force_cached_exits(setup):
+  """Cached semantics under the exact KL exit at eps: each token's loops 2..depth, after
+  earlier tokens exited and offer their exit loop's keys/values, against the brute-force
+  cached loop with the same exits."""
+  mdl, batches, rng = setup
+  b = dict(batches[0], inputs=batches[0]['inputs'][:1], mask=np.ones((1, L), np.float32))
+  rec = {}
+  brute_cached(mdl, jnp.asarray(b['inputs']), 1, -1.0, R, rng, record=rec)
+  eps = safe_eps(list(np.stack(rec['kl'], 1)[:2]))  # near loop 2's median: ragged exits
+  rec = {}
+  _, depth = brute_cached(mdl, jnp.asarray(b['inputs']), 1, eps, R, rng, record=rec)
+  assert len(np.unique(depth)) > 1
+  h = kl_probe.harvest(mdl, [b], R, rng, semantics='cached', exit_eps=[eps])
+  n0 = (L - 1) * (R - 1)  # the uniform run's pairs come first
+  want = [(i, t) for i in range(2, R + 1) for t in range(L - 1) if len(rec['kl'][t]) >= i]
+  np.testing.assert_array_equal(h.loops_N[n0:], [i for i, _ in want])
+  np.testing.assert_allclose(h.log_kl_N[n0:], np.maximum(np.log(
+      [rec['kl'][t][i - 1] for i, t in want]), kl_probe.LOG_FLOOR), atol=2e-3, rtol=1e-3)
+  np.testing.assert_allclose(h.states_NxD[n0:], [rec['state'][t][i - 1] for i, t in want],
+                             atol=1e-4)
 
 
 def test_save_load_and_bad_files(tmp_path):
