@@ -29,7 +29,8 @@ import optax
 from elastic_depth import analysis, decoding, inference, model as model_lib
 from elastic_depth.config import ExitConfig, Semantics
 from elastic_depth.kernels import kl_halting
-from elastic_depth.policies import KLProbe, kl_probe_log_of_change, relative_change
+from elastic_depth.policies import KLProbe, kl_probe_log_of_change, kl_probe_set_log
+from elastic_depth.policies import relative_change
 
 # KL below 1e-7 nats (under any threshold worth using; deep loops sit at the fp32 noise
 # floor) is censored: the fit asks only that the estimate be below it there.
@@ -122,9 +123,13 @@ def _exit_run(mdl, r_max: int, rng, eps: float):
 
   def fn(b):
     s, kl, depth = jax.device_get(run(b['inputs']))
-    loops = np.arange(1, r_max + 1)[:, None, None]
-    return s, kl, (np.asarray(b['mask']) > 0)[None] & (loops <= depth[None])
+    return s, kl, _ran(np.asarray(b['mask']) > 0, depth, r_max)
   return fn
+
+
+def _ran(keep_BxL: np.ndarray, depth_BxL: np.ndarray, r_max: int) -> np.ndarray:
+  """[R, B, L]: loop i of token (b, l) ran (kept, and i <= its depth)."""
+  return keep_BxL[None] & (np.arange(1, r_max + 1)[:, None, None] <= depth_BxL[None])
 
 
 def _cached_run(mdl, r_max: int, rng, eps: Optional[float] = None):
@@ -150,7 +155,7 @@ def _cached_run(mdl, r_max: int, rng, eps: Optional[float] = None):
       s[:, :, t], kl[:, :, t], depth[:, t] = jax.device_get((st, k, dep))
     keep = np.asarray(b['mask']) > 0
     keep[:, 0] = False  # prefilled
-    return s, kl, keep[None] & (np.arange(1, r_max + 1)[:, None, None] <= depth[None])
+    return s, kl, _ran(keep, depth, r_max)
   return fn
 
 
@@ -159,7 +164,7 @@ def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: floa
   """A probe of `loops` parameter sets: set r for loop r + 2, the last also for every later
   loop (loops = 1: one for all; fewer where the harvest has fewer loops), each fitted on
   its loops' pairs alone (`_fit_set`)."""
-  group = np.asarray(probe_loop_np(h.loops_N, loops))
+  group = probe_loop_np(h.loops_N, loops)
   sets = []
   for g in range(int(group.max()) + 1):
     m = group == g
@@ -221,18 +226,16 @@ def _fit_set(h: Harvest, rank: int, hidden: int, steps: int, lr: float, seed: in
 
 def _predict_set(one: KLProbe, d_NxD, x_NxD):
   """A one-set probe's (no leading axis) log KL for flat pairs (state x, change d)."""
-  stacked = jax.tree.map(lambda a: a[None], one)
-  return kl_probe_log_of_change(stacked, x_NxD[None], d_NxD[None], 2)[0]
+  return kl_probe_set_log(one, x_NxD[None], d_NxD[None])[0]
 
 
 def _predict(probe: KLProbe, h: Harvest) -> np.ndarray:
   """The probe's log KL for a harvest's pairs, each with its loop's parameter set."""
-  group = probe_loop_np(h.loops_N, probe.a_RxDxK.shape[0])
-  pred = np.zeros(len(group), np.float32)
-  for g in np.unique(group):
-    m = group == g
-    pred[m] = np.asarray(_predict_set(jax.tree.map(lambda a: a[g], probe),
-                                      jnp.asarray(h.delta_NxD[m]), jnp.asarray(h.states_NxD[m])))
+  pred = np.zeros(len(h.loops_N), np.float32)
+  for i in np.unique(h.loops_N):
+    m = h.loops_N == i
+    pred[m] = np.asarray(kl_probe_log_of_change(probe, jnp.asarray(h.states_NxD[m])[None],
+                                                jnp.asarray(h.delta_NxD[m])[None], int(i))[0])
   return pred
 
 

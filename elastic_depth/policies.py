@@ -111,7 +111,11 @@ def kl_probe_log(probe: KLProbe, s_new_BxLxD: jax.Array, s_old_BxLxD: jax.Array,
 
 def kl_probe_log_of_change(probe: KLProbe, s: jax.Array, d: jax.Array, i) -> jax.Array:
   """kl_probe_log from the state s_i and its change d = s_i - s_{i-1} (fp32, [B, L, D])."""
-  p = jax.tree.map(lambda a: a[probe_loop(probe, i)], probe)  # one loop's set, axis R gone
+  return kl_probe_set_log(jax.tree.map(lambda a: a[probe_loop(probe, i)], probe), s, d)
+
+
+def kl_probe_set_log(p: KLProbe, s: jax.Array, d: jax.Array) -> jax.Array:
+  """kl_probe_log_of_change with one parameter set p (a KLProbe without the axis R)."""
   q_BxLxK = jnp.einsum('BLD,DK->BLK', d, p.a_RxDxK)
   x = (s - p.mu_RxD) / p.sd_RxD
   out = (p.alpha_R * jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
