@@ -211,6 +211,60 @@ def frontier_gap(exact: Mapping, cheap, loss_cap: float = np.inf) -> Optional[di
           'range': [float(grid[0]), float(grid[-1])], 'points': int(len(grid))}
 
 
+GAP_LEVEL = 0.9  # the frontier gap's bootstrap interval
+
+
+def _rows(curve: Mapping):
+  """A curve's per-sequence sums: (loss [P, N], loops [P, N], tokens [N]), or None."""
+  if not all(k in curve for k in ('row_loss', 'row_loops', 'row_tokens')):
+    return None
+  return (np.asarray(curve['row_loss'], np.float64), np.asarray(curve['row_loops'], np.float64),
+          np.asarray(curve['row_tokens'], np.float64))
+
+
+def _reweighted(rows, w_N) -> dict:
+  """A curve's (mean loops, loss) points with sequence n counted w_N[n] times."""
+  loss, loops, tokens = rows
+  t = max(float(tokens @ w_N), 1.0)
+  return {'mean_loops': loops @ w_N / t, 'loss': loss @ w_N / t}
+
+
+def frontier_gap_interval(exact: Mapping, cheap, loss_cap: float = np.inf, boots: int = 1000,
+                          seed: int = 0, level: float = GAP_LEVEL) -> Optional[dict]:
+  """A paired bootstrap interval of `frontier_gap`'s max_gap over the scored sequences.
+
+  Every curve of one sweep scores the same sequences, so a replicate draws sequences
+  with replacement once and reweights every curve's per-sequence sums ('row_loss',
+  'row_loops', 'row_tokens': `frontier.row_sums`) by the same draw; the interval is the
+  central `level` quantile range of the replicates' max_gap.
+
+  Returns:
+    {'interval': [lo, hi], 'level', 'boots', 'sequences', 'median'}, or None where a
+    curve lacks per-sequence sums, the curves scored different sequences, or no
+    replicate overlaps.
+  """
+  members = list(cheap) if isinstance(cheap, (list, tuple)) else [cheap]
+  rows = [_rows(c) for c in [exact, *members]]
+  if boots <= 0 or any(r is None for r in rows):
+    return None
+  n = len(rows[0][2])
+  if any(len(r[2]) != n or not np.array_equal(r[2], rows[0][2]) for r in rows):
+    return None
+  draws = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=boots)
+  gaps = []
+  for w in draws.astype(np.float64):
+    ex, *ch = (_reweighted(r, w) for r in rows)
+    g = frontier_gap(ex, ch if isinstance(cheap, (list, tuple)) else ch[0], loss_cap)
+    if g is not None:
+      gaps.append(g['max_gap'])
+  if not gaps:
+    return None
+  q = (1.0 - level) / 2
+  lo, med, hi = np.quantile(gaps, [q, 0.5, 1.0 - q])
+  return {'interval': [float(lo), float(hi)], 'median': float(med), 'level': float(level),
+          'boots': len(gaps), 'sequences': int(n)}
+
+
 def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> list:
   """Check cost per loop (core loops) at every point of a sweep curve, at shape mcfg."""
   return np.atleast_1d(check_cost(mcfg, curve['mean_loops_counted'], curve['mean_readouts'],
@@ -243,6 +297,9 @@ def _judged(ref: Optional[Mapping], c: Mapping, cap: float, cost_135m: list) -> 
   gap = None if ref is None or ref is c else frontier_gap(ref, c)
   return {'frontier_vs_exact': gap,
           'frontier_vs_exact_operating': None if gap is None else frontier_gap(ref, c, cap),
+          'frontier_vs_exact_interval': None if gap is None else frontier_gap_interval(ref, c),
+          'frontier_vs_exact_operating_interval':
+              None if gap is None else frontier_gap_interval(ref, c, cap),
           'meets': None if gap is None else bool(
               gap['max_gap'] <= FRONTIER_TOLERANCE and max(cost_135m) <= CHECK_BUDGET)}
 

@@ -34,13 +34,23 @@ class Curve(NamedTuple):
   eps_growth: float = 1.0  # the threshold at loop i is eps * eps_growth^(i - 2)
 
 
+def row_sums(x_NxL: np.ndarray, mask_NxL: np.ndarray) -> list:
+  """Per-sequence masked sums in float64: what `books.frontier_gap_interval` resamples."""
+  m = np.asarray(mask_NxL, np.float64)
+  return np.sum(np.asarray(x_NxL, np.float64) * m, axis=-1).tolist()
+
+
 def uniform_curve(trace: Trace, mcfg) -> dict:
   """A0 at every depth 1..R from the trace: loss, mean loops and FLOPs/token."""
   e = elasticity(trace)
   seq_len = trace.inputs.shape[1]
+  tokens = row_sums(np.ones_like(trace.mask), trace.mask)
   return {'policy': 'uniform', 'threshold': e['depths'],
           'mean_loops': [float(d) for d in e['depths']],
           'loss': e['loss'],
+          'row_tokens': tokens,
+          'row_loss': [row_sums(trace.stats['nll'][d - 1], trace.mask) for d in e['depths']],
+          'row_loops': [[d * t for t in tokens] for d in e['depths']],
           # the trace ran the masked engine: its core attention multiplies all L keys
           'flops': [float(books.executed_flops(mcfg, d, 1, 1, seq_len, seq_len))
                     for d in e['depths']]}
@@ -54,7 +64,9 @@ def cached_uniform_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[st
                                                   semantics=Semantics.CACHED), d)
           for d in bar(list(range(1, r_max + 1)), 'A0 cached', progress)]
   return {'policy': 'uniform', 'threshold': list(range(1, r_max + 1)),
-          **{k: [r[k][0] for r in runs] for k in ('mean_loops', 'loss', 'flops')}}
+          **{k: [r[k][0] for r in runs] for k in ('mean_loops', 'loss', 'flops', 'row_loss',
+                                                  'row_loops')},
+          'row_tokens': runs[0]['row_tokens']}
 
 
 def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -79,8 +91,9 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
                          'mean_core_passes', 'mean_readouts', 'mean_heads',
-                         'mean_loops_counted', 'share_max_depth')}
+                         'mean_loops_counted', 'share_max_depth', 'row_loss', 'row_loops')}
   mask = np.concatenate([np.asarray(b['mask'], np.float32) for b in batches])
+  out['row_tokens'] = row_sums(np.ones_like(mask), mask)
   with jax.default_matmul_precision('highest'):
     for eps in bar(list(curve.thresholds), f'sweep {policy.value}', progress):
       nll, counts = [], []
@@ -101,6 +114,8 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['threshold'].append(float(eps))
       out['mean_loops'].append(masked_mean(depth, mask))
       out['loss'].append(masked_mean(nll, mask))
+      out['row_loss'].append(row_sums(nll, mask))
+      out['row_loops'].append(row_sums(depth, mask))
       keys = per_pos('core_keys')  # the engine's executed keys per core query
       out['flops'].append(masked_mean(books.executed_flops(
           model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),

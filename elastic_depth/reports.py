@@ -179,6 +179,12 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
   return md + _books_markdown(res.get('check_books') or {})
 
 
+def _ci(ci) -> str:
+  """A bootstrap interval as '[lo, hi]' ('-' where none)."""
+  return '-' if not ci else (f"{100 * ci['level']:.0f}%: [{ci['interval'][0]:+.4f}, "
+                            f"{ci['interval'][1]:+.4f}]")
+
+
 def _books_markdown(bk: dict) -> str:
   """The exit-check books: cost per loop and the frontier against the exact check."""
   if not bk:
@@ -188,16 +194,19 @@ def _books_markdown(bk: dict) -> str:
     g = b['frontier_vs_exact'] or {}
     o = b.get('frontier_vs_exact_operating') or {}
     rows.append([name, min(b['cost']), max(b['cost']), min(b['cost_135m']), max(b['cost_135m']),
-                 b['exact'], g.get('max_gap'), g.get('at_mean_loops'),
+                 b['exact'], g.get('max_gap'), _ci(b.get('frontier_vs_exact_interval')),
+                 g.get('at_mean_loops'),
                  '-' if not g else f"{g['range'][0]:.2f}-{g['range'][1]:.2f}", o.get('max_gap'),
+                 _ci(b.get('frontier_vs_exact_operating_interval')),
                  '-' if not o else f"{o['range'][0]:.2f}-{o['range'][1]:.2f}", b['meets']])
   return ('\n## Exit-check books\n\nCheck work per core loop, in core loops (executed readouts '
           'and head products beyond the output readout, and the state change every loop), '
           'over the curve\'s points; the frontier of each curve against the exact check\'s '
-          'at equal mean loops (positive: worse).\n\n' + table(
+          'at equal mean loops (positive: worse), with a paired bootstrap interval over the '
+          'scored sequences (`books.frontier_gap_interval`).\n\n' + table(
               ['curve', 'cost min', 'cost max', 'cost @135M min', 'cost @135M max', 'exact',
-               'max frontier gap', 'at mean loops', 'range', 'max gap, operating range',
-               'operating range', 'meets (gap <= 0.002, cost <= 0.25 @135M)'],
+               'max frontier gap', 'bootstrap interval', 'at mean loops', 'range',
+               'max gap, operating range', 'bootstrap interval', 'operating range', 'meets (gap <= 0.002, cost <= 0.25 @135M)'],
               rows))
 
 

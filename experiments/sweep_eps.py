@@ -3,7 +3,9 @@ over a log-spaced eps grid, in loss, mean loops and FLOPs per token (exit checks
 counted). Headline: the smallest mean depth within --delta of uniform depth at the
 training mean, and A0's loss at the same mean loops (the frontier comparison). With
 --semantics=cached, A0 is scored in cached semantics too ('a0_cached', uniform depth 1..R
-token by token), and the @cached curves are judged against it.
+token by token), and the @cached curves are judged against it. The exit-check books give
+each cheap check's frontier gap against the exact one with a paired bootstrap interval
+over the scored sequences (`books.frontier_gap_interval`).
 
   python -m experiments.sweep_eps --workdir=runs/tiny
   python -m experiments.sweep_eps --workdir=runs/ts --eps_grid=1e-5,1e-4,1e-3 \
@@ -164,8 +166,13 @@ def _calibrated(opts: common.Options) -> dict:
   return {} if eps is None else {'calibrated': frontier.Curve('kl', [eps])}
 
 
-def _operating(g) -> str:
-  return ('' if g is None else f", {g['max_gap']:+.4f} in the operating range "
+def _interval(ci) -> str:
+  return ('' if ci is None else f" [{100 * ci['level']:.0f}% bootstrap over "
+          f"{ci['sequences']} sequences: {ci['interval'][0]:+.4f} to {ci['interval'][1]:+.4f}]")
+
+
+def _operating(g, ci=None) -> str:
+  return ('' if g is None else f", {g['max_gap']:+.4f}{_interval(ci)} in the operating range "
           f"({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)")
 
 
@@ -214,9 +221,11 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
             f"{b['a0_loss_same_loops']:.4f} (gap {b['gap_same_loops']:+.4f})")
   for name, b in res['check_books'].items():
     g = b['frontier_vs_exact']
-    vs = ('' if g is None else f"; frontier vs {b['exact']}: at most {g['max_gap']:+.4f} "
-          f"nats at equal mean loops ({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)"
-          + _operating(b.get('frontier_vs_exact_operating')))
+    vs = ('' if g is None else f"; frontier vs {b['exact']}: at most {g['max_gap']:+.4f}"
+          f"{_interval(b.get('frontier_vs_exact_interval'))} nats at equal mean loops "
+          f"({g['range'][0]:.2f}-{g['range'][1]:.2f} loops)"
+          + _operating(b.get('frontier_vs_exact_operating'),
+                       b.get('frontier_vs_exact_operating_interval')))
     print(f"{name}: check cost per loop {max(b['cost']):.3f} core loops here, "
           f"{max(b['cost_135m']):.3f} at the 135M blocks (max over the curve){vs}")
   print(f"report {paths['md']}")

@@ -78,6 +78,53 @@ def test_frontier_gap_of_a_shifted_curve_is_the_shift():
   assert books.frontier_gap(exact, {'mean_loops': [6.0, 7.0], 'loss': [2, 2]}) is None
 
 
+def _rows_curve(loops_P, loss_PxN, tokens_N):
+  """A curve from per-sequence mean losses at fixed per-point mean loops."""
+  t = np.asarray(tokens_N, np.float64)
+  loss = np.asarray(loss_PxN, np.float64) * t
+  loops = np.outer(loops_P, t)
+  return {'mean_loops': list(loops.sum(1) / t.sum()), 'loss': list(loss.sum(1) / t.sum()),
+          'row_loss': loss.tolist(), 'row_loops': loops.tolist(), 'row_tokens': t.tolist()}
+
+
+def test_gap_interval_collapses_when_every_sequence_agrees():
+  m, loss = [2.0, 3.0, 4.0, 6.0], np.array([0.5, 0.1, 0.05, 0.04])
+  tokens = [7, 3, 12, 5, 9]
+  exact = _rows_curve(m, np.repeat(loss[:, None], 5, 1), tokens)
+  cheap = _rows_curve(m, np.repeat(loss[:, None] + [[0.0], [0.02], [0.001], [0.0]], 5, 1), tokens)
+  ci = books.frontier_gap_interval(exact, cheap, boots=50)
+  assert ci['interval'] == pytest.approx([0.02, 0.02]) and ci['sequences'] == 5
+  assert books.frontier_gap(exact, cheap)['max_gap'] == pytest.approx(0.02)
+  # a family of one is the curve; the operating cap applies as in frontier_gap
+  assert books.frontier_gap_interval(exact, [cheap], boots=50) == ci
+  op = books.frontier_gap_interval(exact, cheap, loss_cap=0.06, boots=50)
+  assert op['interval'] == pytest.approx([0.001, 0.001])
+  # no per-sequence sums, or other sequences: no interval
+  assert books.frontier_gap_interval({k: exact[k] for k in ('mean_loops', 'loss')}, cheap) is None
+  assert books.frontier_gap_interval(exact, _rows_curve(m, np.repeat(
+      loss[:, None], 4, 1), tokens[:4])) is None
+  assert books.frontier_gap_interval(exact, cheap, boots=0) is None
+
+
+def test_gap_interval_covers_a_known_gap():
+  """Simulated sweeps: the cheap curve loses `shift` nats in expectation at every point
+  (plus per-sequence noise); the 90% interval covers it in about 90% of the sweeps, and
+  is narrow because the draw is paired."""
+  rs = np.random.default_rng(0)
+  m, loss, shift, n = [2.0, 3.0, 4.0, 6.0], np.array([0.9, 0.5, 0.3, 0.2]), 0.003, 40
+  covered = []
+  for _ in range(100):
+    tokens = rs.integers(50, 150, n)
+    noise = rs.normal(0, 0.05, (4, n))  # shared by both curves: pairing cancels it
+    u = rs.normal(0, 0.005, n)  # the cheap check's own per-sequence loss, at every point
+    exact = _rows_curve(m, loss[:, None] + noise, tokens)
+    cheap = _rows_curve(m, loss[:, None] + noise + shift + u, tokens)
+    ci = books.frontier_gap_interval(exact, cheap, boots=200, seed=int(rs.integers(1 << 30)))
+    covered.append(ci['interval'][0] <= shift <= ci['interval'][1])
+    assert ci['interval'][1] - ci['interval'][0] < 0.006  # unpaired: ~0.035
+  assert 0.78 <= np.mean(covered) <= 0.98
+
+
 def _compiled_flops(fn, *args):
   return jax.jit(fn).lower(*args).compile().cost_analysis()['flops']
 

@@ -51,6 +51,14 @@ def test_sweep_end_points_and_accounting(setup):
   nll, depth = _score(mdl, batches, rng, config.ExitConfig(policy='kl', eps=mid, max_loops=R))
   assert 2 < c['mean_loops'][1] < R
   assert c['mean_loops'][1] == pytest.approx(np.sum(depth * mask) / np.sum(mask))
+  # per-sequence sums (what the gap's bootstrap resamples), row by row
+  assert c['row_tokens'] == pytest.approx(mask.sum(1))
+  assert c['row_loops'][1] == pytest.approx(np.sum(depth * mask, 1))
+  np.testing.assert_allclose(c['row_loss'][1], np.sum(nll * mask, 1), rtol=1e-5)
+  for d in (1, R):
+    np.testing.assert_allclose(a0['row_loss'][d - 1],
+                               np.sum(trace.stats['nll'][d - 1] * mask, 1), rtol=1e-6)
+    assert a0['row_loops'][d - 1] == pytest.approx(d * mask.sum(1))
   np.testing.assert_allclose(c['loss'][1], np.sum(nll * mask) / np.sum(mask), rtol=1e-5)
   # active tokens: a readout at each of their loops (every loop is a check or precedes
   # one) and the final readout; the masked engine runs each batch's deepest loops
@@ -135,9 +143,12 @@ def test_cached_curves_are_judged_against_a0_in_cached_semantics(setup):
       with jax.default_matmul_precision('highest'):
         logits, _, _ = score(toks, analysis.batch_key(rng, k))
       m = np.asarray(b['mask'], np.float64)
-      tot += np.sum(nll_np(np.asarray(logits), np.asarray(b['targets'])) * m)
+      rows = np.sum(nll_np(np.asarray(logits), np.asarray(b['targets'])) * m, 1)
+      np.testing.assert_allclose(a0c['row_loss'][d - 1][k * B:(k + 1) * B], rows, rtol=1e-5)
+      tot += rows.sum()
       n += m.sum()
     assert a0c['loss'][d - 1] == pytest.approx(tot / n, rel=1e-5)
+    assert a0c['row_loops'][d - 1] == pytest.approx(d * np.asarray(a0c['row_tokens']))
   # kl at eps 1e9 exits every token at loop 2: in cached semantics it is uniform depth 2
   fr = res['headline']['kl@cached']['frontier']
   assert fr['a0_loss_same_loops'][0] == pytest.approx(a0c['loss'][1])
