@@ -33,6 +33,24 @@ def executed_flops(mcfg, core, coda, head, seq_len: int, core_keys=None):
   return f['prelude'] + core * f['loop'] + coda * coda_only + head * f['head']
 
 
+GAP_LEVEL = 0.9  # the frontier gap's bootstrap interval
+
+
+def _rows(curve: Mapping):
+  """A curve's per-sequence sums: (loss [P, N], loops [P, N], tokens [N]), or None."""
+  if not all(k in curve for k in ('row_loss', 'row_loops', 'row_tokens')):
+    return None
+  return (np.asarray(curve['row_loss'], np.float64), np.asarray(curve['row_loops'], np.float64),
+          np.asarray(curve['row_tokens'], np.float64))
+
+
+def _reweighted(rows, w_N) -> dict:
+  """A curve's (mean loops, loss) points with sequence n counted w_N[n] times."""
+  loss, loops, tokens = rows
+  t = max(float(tokens @ w_N), 1.0)
+  return {'mean_loops': loops @ w_N / t, 'loss': loss @ w_N / t}
+
+
 def headline(a0: dict, curve: dict, ref_depth: float, delta: float = DEFAULT_DELTA) -> dict:
   """The exit policy against uniform depth.
 
@@ -78,8 +96,47 @@ def headline(a0: dict, curve: dict, ref_depth: float, delta: float = DEFAULT_DEL
         'a0_loss_same_loops': float(a0_same_loops[i]),
         'gap_same_loops': float(loss[i] - a0_same_loops[i]),
         'a0_loss_same_flops': float(a0_same_flops[i]),
-        'gap_same_flops': float(loss[i] - a0_same_flops[i])}
+        'gap_same_flops': float(loss[i] - a0_same_flops[i]),
+        'gap_same_loops_interval': same_loops_gap_interval(a0, curve, i)}
   return out
+
+
+def _draws(n: int, boots: int, seed: int) -> np.ndarray:
+  """Bootstrap weights [boots, n]: how often each of n sequences is drawn."""
+  return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n),
+                                                 size=boots).astype(np.float64)
+
+
+def _paired_rows(curves) -> Optional[list]:
+  """The curves' per-sequence sums, or None unless all have them over the same sequences."""
+  rows = [_rows(c) for c in curves]
+  if any(r is None for r in rows) or any(not np.array_equal(r[2], rows[0][2]) for r in rows):
+    return None
+  return rows
+
+
+def _interval(values, n: int, level: float) -> Optional[dict]:
+  if not len(values):
+    return None
+  q = (1.0 - level) / 2
+  lo, med, hi = np.quantile(values, [q, 0.5, 1.0 - q])
+  return {'interval': [float(lo), float(hi)], 'median': float(med), 'level': float(level),
+          'boots': len(values), 'sequences': int(n)}
+
+
+def same_loops_gap_interval(a0: Mapping, curve: Mapping, i: int, boots: int = 1000,
+                            seed: int = 0, level: float = GAP_LEVEL) -> Optional[dict]:
+  """A paired bootstrap interval of point i's loss minus A0's at the same mean loops
+  (the headline's gap_same_loops) over the scored sequences; None without per-sequence
+  sums over the same sequences."""
+  rows = _paired_rows([a0, curve])
+  if boots <= 0 or rows is None:
+    return None
+  gaps = []
+  for w in _draws(len(rows[0][2]), boots, seed):
+    u, c = (_reweighted(r, w) for r in rows)
+    gaps.append(c['loss'][i] - np.interp(c['mean_loops'][i], u['mean_loops'], u['loss']))
+  return _interval(gaps, len(rows[0][2]), level)
 
 
 def delta_flops(d_model: int) -> int:
@@ -211,24 +268,6 @@ def frontier_gap(exact: Mapping, cheap, loss_cap: float = np.inf) -> Optional[di
           'range': [float(grid[0]), float(grid[-1])], 'points': int(len(grid))}
 
 
-GAP_LEVEL = 0.9  # the frontier gap's bootstrap interval
-
-
-def _rows(curve: Mapping):
-  """A curve's per-sequence sums: (loss [P, N], loops [P, N], tokens [N]), or None."""
-  if not all(k in curve for k in ('row_loss', 'row_loops', 'row_tokens')):
-    return None
-  return (np.asarray(curve['row_loss'], np.float64), np.asarray(curve['row_loops'], np.float64),
-          np.asarray(curve['row_tokens'], np.float64))
-
-
-def _reweighted(rows, w_N) -> dict:
-  """A curve's (mean loops, loss) points with sequence n counted w_N[n] times."""
-  loss, loops, tokens = rows
-  t = max(float(tokens @ w_N), 1.0)
-  return {'mean_loops': loops @ w_N / t, 'loss': loss @ w_N / t}
-
-
 def frontier_gap_interval(exact: Mapping, cheap, loss_cap: float = np.inf, boots: int = 1000,
                           seed: int = 0, level: float = GAP_LEVEL) -> Optional[dict]:
   """A paired bootstrap interval of `frontier_gap`'s max_gap over the scored sequences.
@@ -244,25 +283,16 @@ def frontier_gap_interval(exact: Mapping, cheap, loss_cap: float = np.inf, boots
     replicate overlaps.
   """
   members = list(cheap) if isinstance(cheap, (list, tuple)) else [cheap]
-  rows = [_rows(c) for c in [exact, *members]]
-  if boots <= 0 or any(r is None for r in rows):
+  rows = _paired_rows([exact, *members])
+  if boots <= 0 or rows is None:
     return None
-  n = len(rows[0][2])
-  if any(len(r[2]) != n or not np.array_equal(r[2], rows[0][2]) for r in rows):
-    return None
-  draws = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=boots)
   gaps = []
-  for w in draws.astype(np.float64):
+  for w in _draws(len(rows[0][2]), boots, seed):
     ex, *ch = (_reweighted(r, w) for r in rows)
     g = frontier_gap(ex, ch if isinstance(cheap, (list, tuple)) else ch[0], loss_cap)
     if g is not None:
       gaps.append(g['max_gap'])
-  if not gaps:
-    return None
-  q = (1.0 - level) / 2
-  lo, med, hi = np.quantile(gaps, [q, 0.5, 1.0 - q])
-  return {'interval': [float(lo), float(hi)], 'median': float(med), 'level': float(level),
-          'boots': len(gaps), 'sequences': int(n)}
+  return _interval(gaps, len(rows[0][2]), level)
 
 
 def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> list:

@@ -218,7 +218,8 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
             f"{100 * b['flops_saving']:.1f}% fewer (the engine as run), "
             f"{100 * b['flops_active_saving']:.1f}% fewer (active tokens only)"
             f"{_timed(b.get('wall_clock'))}); uniform depth at the same mean loops: "
-            f"{b['a0_loss_same_loops']:.4f} (gap {b['gap_same_loops']:+.4f})")
+            f"{b['a0_loss_same_loops']:.4f} (gap {b['gap_same_loops']:+.4f}"
+            f"{_interval(b.get('gap_same_loops_interval'))})")
   for name, b in res['check_books'].items():
     g = b['frontier_vs_exact']
     vs = ('' if g is None else f"; frontier vs {b['exact']}: at most {g['max_gap']:+.4f}"

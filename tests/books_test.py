@@ -125,6 +125,42 @@ def test_gap_interval_covers_a_known_gap():
   assert 0.78 <= np.mean(covered) <= 0.98
 
 
+def test_same_loops_gap_interval_against_a_brute_force_bootstrap():
+  """The headline's gap at equal mean loops, resampled: identical sequences give the
+  point gap; otherwise each replicate equals a brute-force recomputation from the drawn
+  sequences (np.repeat of the rows, then the pooled means)."""
+  rs = np.random.default_rng(1)
+  n, tokens = 12, rs.integers(5, 20, 12)
+  depths = [1.0, 2.0, 3.0, 4.0]
+  a0 = _rows_curve(depths, np.array([[0.9], [0.5], [0.3], [0.25]]) + rs.normal(0, 0.05, (4, n)),
+                   tokens)
+  depth_NxL = [rs.integers(1, 5, t) for t in tokens]  # a policy's per-token loops
+  nll_NxL = [rs.uniform(0.1, 0.6, t) for t in tokens]
+  curve = {'row_loss': [[x.sum() for x in nll_NxL]], 'row_loops': [[x.sum() for x in depth_NxL]],
+           'row_tokens': tokens.tolist(), 'mean_loops': [np.concatenate(depth_NxL).mean()],
+           'loss': [np.concatenate(nll_NxL).mean()], 'flops': [1.0], 'threshold': [0.1]}
+  a0['flops'] = [1.0, 2.0, 3.0, 4.0]
+  h = books.headline(a0, curve, ref_depth=4.0, delta=10.0)
+  ci = h['best']['gap_same_loops_interval']
+  assert ci['sequences'] == n and ci['boots'] == 1000
+  gaps = []
+  for w in books._draws(n, 1000, 0):  # the same draws, recomputed from the tokens
+    pick = np.repeat(np.arange(n), w.astype(int))
+    d = np.concatenate([depth_NxL[k] for k in pick])
+    l = np.concatenate([nll_NxL[k] for k in pick])
+    t = sum(tokens[k] for k in pick)
+    a0_loss = [sum(np.asarray(a0['row_loss'])[j, k] for k in pick) / t for j in range(4)]
+    gaps.append(l.mean() - np.interp(d.mean(), depths, a0_loss))
+  assert ci['interval'] == pytest.approx(list(np.quantile(gaps, [0.05, 0.95])), rel=1e-9)
+  assert ci['interval'][0] < h['best']['gap_same_loops'] < ci['interval'][1]
+  same = _rows_curve(depths, np.repeat([[0.9], [0.5], [0.3], [0.25]], n, 1), tokens)
+  same['flops'], same['threshold'] = a0['flops'], depths
+  pt = {k: [v[2]] for k, v in same.items() if k != 'row_tokens'}
+  pt['row_tokens'] = same['row_tokens']
+  ci = books.headline(same, pt, 3.0)['best']['gap_same_loops_interval']
+  assert ci['interval'] == pytest.approx([0.0, 0.0], abs=1e-12)
+
+
 def _compiled_flops(fn, *args):
   return jax.jit(fn).lower(*args).compile().cost_analysis()['flops']
 
