@@ -153,10 +153,12 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
     rows.append([name, h['ref_loss'], b.get('threshold'), b.get('mean_loops'), b.get('loss'),
                  b.get('loop_saving'), b.get('flops_saving'), b.get('flops_active_saving'),
                  (b.get('wall_clock') or {}).get('saving'), b.get('a0_loss_same_loops'),
-                 b.get('gap_same_loops'), h['uniform_depth_within_delta']])
+                 b.get('gap_same_loops'), _ci(b.get('gap_same_loops_interval')),
+                 h['uniform_depth_within_delta']])
   md += table(['policy', 'A0 loss @ref', 'eps', 'mean loops', 'loss', 'loop saving',
                'FLOP saving (engine as run)', 'FLOP saving (active tokens, executed)',
-               'wall-clock saving (same run)', 'A0 loss @same loops', 'gap', 'min uniform depth within delta'],
+               'wall-clock saving (same run)', 'A0 loss @same loops', 'gap',
+               'gap: bootstrap interval', 'min uniform depth within delta'],
               rows)
   for key, title in (('a0', 'A0 (uniform depth)'),
                      ('a0_cached', 'A0 (uniform depth, cached semantics: the @cached curves\' '
