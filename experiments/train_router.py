@@ -47,6 +47,7 @@ class RouterOptions:
                              # rest (0: one per loop 2..R)
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
   exit_eps: tuple[float, ...] = ()  # the KL probe's: also runs under the KL exit at these
+  fit_seed: int = 0          # the KL probe's: pair subsample, initialisation and minibatches
 
 
 STEPS = flags.DEFINE_integer('router_steps', RouterOptions.steps, 'Full-batch AdamW steps of '
@@ -76,6 +77,10 @@ LOOPS = flags.DEFINE_integer('probe_loops', RouterOptions.loops, 'Parameter sets
 EXIT_EPS = flags.DEFINE_list('probe_exit_eps', [], 'The KL probe: also fit on runs under '
                              'the exact KL exit at these eps, in --probe_semantics (the '
                              'states that runs with exits reach), beside the uniform run.')
+FIT_SEED = flags.DEFINE_integer('fit_seed', RouterOptions.fit_seed, 'The KL probe: seed of its '
+                                'pair subsample, initialisation and minibatch order (a refit '
+                                'with another seed shows how much the fit alone moves a '
+                                'result).', lower_bound=0)
 SEMANTICS = flags.DEFINE_enum('probe_semantics', RouterOptions.semantics, ['parallel', 'cached'],
                               'The semantics the KL probe is fitted (and used) in: '
                               'kl_probe.json or kl_probe_cached.json.')
@@ -150,12 +155,12 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
   """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
   first = x.fit_from
   sem = x.semantics
-  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, semantics=sem,
-                           exit_eps=x.exit_eps, progress=opts.progress)
+  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, x.fit_seed,
+                           semantics=sem, exit_eps=x.exit_eps, progress=opts.progress)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem, progress=opts.progress)
   probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr,
-                       loops=max(1, min(x.loops or ld.r_max, ld.r_max - 1)))
+                       seed=x.fit_seed, loops=max(1, min(x.loops or ld.r_max, ld.r_max - 1)))
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
          'semantics': sem}
@@ -184,5 +189,5 @@ if __name__ == '__main__':
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
       rank=RANK.value, hidden=HIDDEN.value, loops=LOOPS.value, semantics=SEMANTICS.value,
-      exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
+      fit_seed=FIT_SEED.value, exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
                      or ()))))

@@ -186,6 +186,15 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
     assert out['router'].endswith({'parallel': 'kl_probe.json',
                                    'cached': 'kl_probe_cached.json'}[sem])
     assert -1 <= res['heldout']['spearman_probe'] <= 1
+  # --fit_seed: another seed, another fit; the same seed, the same fit
+  fits = {'first': kl_probe.load(out['router'])}  # the cached fit above: seed 0
+  for seed in (1, 0):
+    out = train_router.run(_opts(workdir), train_router.RouterOptions(
+        steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe',
+        rank=4, hidden=2, semantics='cached', loops=3, fit_seed=seed))
+    fits[seed] = kl_probe.load(out['router'])
+  assert not np.allclose(fits[1].a_RxDxK, fits[0].a_RxDxK)
+  np.testing.assert_array_equal(fits[0].a_RxDxK, fits['first'].a_RxDxK)
   ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3, 1.0], curves=('kl',), kl_probe=True, semantics=('parallel', 'cached'),
       timing_repeats=0))['results']
