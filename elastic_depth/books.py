@@ -33,7 +33,7 @@ def executed_flops(mcfg, core, coda, head, seq_len: int, core_keys=None):
   return f['prelude'] + core * f['loop'] + coda * coda_only + head * f['head']
 
 
-GAP_LEVEL = 0.9  # the frontier gap's bootstrap interval
+GAP_LEVEL = 0.9  # coverage of the gaps' bootstrap intervals
 
 
 def _rows(curve: Mapping):
@@ -275,7 +275,8 @@ def frontier_gap_interval(exact: Mapping, cheap, loss_cap: float = np.inf, boots
   Every curve of one sweep scores the same sequences, so a replicate draws sequences
   with replacement once and reweights every curve's per-sequence sums ('row_loss',
   'row_loops', 'row_tokens': `frontier.row_sums`) by the same draw; the interval is the
-  central `level` quantile range of the replicates' max_gap.
+  central `level` quantile range of the replicates' max_gap. It covers the noise of the
+  scored sequences, not that of the probe's fit; a max over the grid leans high under noise.
 
   Returns:
     {'interval': [lo, hi], 'level', 'boots', 'sequences', 'median'}, or None where a

@@ -182,7 +182,7 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
 
 
 def _ci(ci) -> str:
-  """A bootstrap interval as '[lo, hi]' ('-' where none)."""
+  """A bootstrap interval as 'level%: [lo, hi]' ('-' where none)."""
   return '-' if not ci else (f"{100 * ci['level']:.0f}%: [{ci['interval'][0]:+.4f}, "
                             f"{ci['interval'][1]:+.4f}]")
 
@@ -208,7 +208,8 @@ def _books_markdown(bk: dict) -> str:
           'scored sequences (`books.frontier_gap_interval`).\n\n' + table(
               ['curve', 'cost min', 'cost max', 'cost @135M min', 'cost @135M max', 'exact',
                'max frontier gap', 'bootstrap interval', 'at mean loops', 'range',
-               'max gap, operating range', 'bootstrap interval', 'operating range', 'meets (gap <= 0.002, cost <= 0.25 @135M)'],
+               'max gap, operating range', 'bootstrap interval', 'operating range',
+               'meets (gap <= 0.002, cost <= 0.25 @135M)'],
               rows))
 
 

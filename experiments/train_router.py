@@ -155,7 +155,7 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
   """train_router --probe=kl_probe: fits, evaluates on the held-out batches and saves."""
   first = x.fit_from
   sem = x.semantics
-  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, x.fit_seed,
+  fit_h = kl_probe.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs, seed=x.fit_seed,
                            semantics=sem, exit_eps=x.exit_eps, progress=opts.progress)
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem, progress=opts.progress)
@@ -189,5 +189,6 @@ if __name__ == '__main__':
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
       rank=RANK.value, hidden=HIDDEN.value, loops=LOOPS.value, semantics=SEMANTICS.value,
-      fit_seed=FIT_SEED.value, exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
+      fit_seed=FIT_SEED.value,
+      exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
                      or ()))))
