@@ -107,16 +107,18 @@ def _draws(n: int, boots: int, seed: int) -> np.ndarray:
                                                  size=boots).astype(np.float64)
 
 
-def _paired_rows(curves) -> Optional[list]:
-  """The curves' per-sequence sums, or None unless all have them over the same sequences."""
+def _bootstrap(curves, stat, boots: int, seed: int, level: float) -> Optional[dict]:
+  """The central `level` range of stat(curves reweighted by one draw) over paired draws
+  of the scored sequences (stat may return None: that draw is skipped), or None unless
+  every curve has per-sequence sums over the same sequences."""
   rows = [_rows(c) for c in curves]
-  if any(r is None for r in rows) or any(not np.array_equal(r[2], rows[0][2]) for r in rows):
+  if (boots <= 0 or any(r is None for r in rows)
+      or any(not np.array_equal(r[2], rows[0][2]) for r in rows)):
     return None
-  return rows
-
-
-def _interval(values, n: int, level: float) -> Optional[dict]:
-  if not len(values):
+  n = len(rows[0][2])
+  values = [stat([_reweighted(r, w) for r in rows]) for w in _draws(n, boots, seed)]
+  values = [v for v in values if v is not None]
+  if not values:
     return None
   q = (1.0 - level) / 2
   lo, med, hi = np.quantile(values, [q, 0.5, 1.0 - q])
@@ -129,14 +131,10 @@ def same_loops_gap_interval(a0: Mapping, curve: Mapping, i: int, boots: int = 10
   """A paired bootstrap interval of point i's loss minus A0's at the same mean loops
   (the headline's gap_same_loops) over the scored sequences; None without per-sequence
   sums over the same sequences."""
-  rows = _paired_rows([a0, curve])
-  if boots <= 0 or rows is None:
-    return None
-  gaps = []
-  for w in _draws(len(rows[0][2]), boots, seed):
-    u, c = (_reweighted(r, w) for r in rows)
-    gaps.append(c['loss'][i] - np.interp(c['mean_loops'][i], u['mean_loops'], u['loss']))
-  return _interval(gaps, len(rows[0][2]), level)
+  def gap(cs):
+    u, c = cs
+    return c['loss'][i] - np.interp(c['mean_loops'][i], u['mean_loops'], u['loss'])
+  return _bootstrap([a0, curve], gap, boots, seed, level)
 
 
 def delta_flops(d_model: int) -> int:
@@ -283,17 +281,12 @@ def frontier_gap_interval(exact: Mapping, cheap, loss_cap: float = np.inf, boots
     curve lacks per-sequence sums, the curves scored different sequences, or no
     replicate overlaps.
   """
-  members = list(cheap) if isinstance(cheap, (list, tuple)) else [cheap]
-  rows = _paired_rows([exact, *members])
-  if boots <= 0 or rows is None:
-    return None
-  gaps = []
-  for w in _draws(len(rows[0][2]), boots, seed):
-    ex, *ch = (_reweighted(r, w) for r in rows)
-    g = frontier_gap(ex, ch if isinstance(cheap, (list, tuple)) else ch[0], loss_cap)
-    if g is not None:
-      gaps.append(g['max_gap'])
-  return _interval(gaps, len(rows[0][2]), level)
+  family = isinstance(cheap, (list, tuple))
+
+  def gap(cs):
+    g = frontier_gap(cs[0], cs[1:] if family else cs[1], loss_cap)
+    return None if g is None else g['max_gap']
+  return _bootstrap([exact, *(cheap if family else [cheap])], gap, boots, seed, level)
 
 
 def curve_costs(curve: Mapping, mcfg: config_lib.ModelConfig, seq_len: int) -> list:
