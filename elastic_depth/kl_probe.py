@@ -17,6 +17,7 @@ parameters per loop (`fit(loops=...)`); a check reads the set of its own loop, a
 same cost.
 """
 
+import enum
 import json
 import os
 from typing import Iterable, NamedTuple, Optional, Sequence
@@ -35,6 +36,29 @@ from elastic_depth.policies import relative_change
 # KL below 1e-7 nats (under any threshold worth using; deep loops sit at the fp32 noise
 # floor) is censored: the fit asks only that the estimate be below it there.
 LOG_FLOOR = float(np.log(1e-7))
+# The thresholds an exit is run at (sweep_eps's grid tops out at 10 nats): the crossings
+# objective counts the estimate's errors inside [LOG_FLOOR, LOG_CEIL] only.
+LOG_CEIL = float(np.log(10.0))
+
+
+class Objective(str, enum.Enum):
+  """What `fit` minimises over (token, loop) pairs, in log KL."""
+  SQUARES = 'squares'      # squared error (censored at LOG_FLOOR)
+  CROSSINGS = 'crossings'  # |clip(estimate) - clip(log KL)| to [LOG_FLOOR, LOG_CEIL]: how
+                           # many exit decisions it gets wrong over log-uniform thresholds
+
+
+def _squares(pred, y):
+  err = jnp.where(y <= LOG_FLOOR, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
+  return err * err
+
+
+def _crossings(pred, y):
+  clip = lambda v: jnp.clip(v, LOG_FLOOR, LOG_CEIL)
+  return jnp.abs(clip(pred) - clip(y))
+
+
+_OBJECTIVES = {Objective.SQUARES: _squares, Objective.CROSSINGS: _crossings}
 
 
 class Harvest(NamedTuple):
@@ -160,10 +184,11 @@ def _cached_run(mdl, r_max: int, rng, eps: Optional[float] = None):
 
 
 def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: float = 1e-2,
-        seed: int = 0, batch: int = 16384, loops: int = 1) -> KLProbe:
+        seed: int = 0, batch: int = 16384, loops: int = 1,
+        objective: Objective = Objective.SQUARES) -> KLProbe:
   """A probe of `loops` parameter sets: set r for loop r + 2, the last also for every later
   loop (loops = 1: one for all; fewer where the harvest has fewer loops), each fitted on
-  its loops' pairs alone (`_fit_set`)."""
+  its loops' pairs alone (`_fit_set`) by the objective's mean over them."""
   group = probe_loop_np(h.loops_N, loops)
   sets = []
   for g in range(int(group.max()) + 1):
@@ -172,7 +197,8 @@ def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: floa
       raise ValueError(f'kl_probe.fit: no pairs from loop {g + 2} (harvest deeper, or fit '
                        f'fewer loop sets than loops={loops})')
     sets.append(_fit_set(Harvest(h.delta_NxD[m], h.states_NxD[m], h.log_kl_N[m],
-                                 h.loops_N[m]), rank, hidden, steps, lr, seed, batch))
+                                 h.loops_N[m]), rank, hidden, steps, lr, seed, batch,
+                         _OBJECTIVES[Objective(objective)]))
   return jax.tree.map(lambda *a: jnp.stack(a), *sets)
 
 
@@ -182,10 +208,10 @@ def probe_loop_np(loops_N, n_sets: int) -> np.ndarray:
 
 
 def _fit_set(h: Harvest, rank: int, hidden: int, steps: int, lr: float, seed: int,
-             batch: int) -> KLProbe:
-  """Least squares on log KL, censored at LOG_FLOOR (Adam on `batch` pairs drawn per step,
-  all of them when fewer); A and W1 start random, alpha at 1, the hidden readout at 0 and
-  b at the mean residual. Returns a one-set probe without the leading axis."""
+             batch: int, objective=_squares) -> KLProbe:
+  """Minimises objective(estimate, log KL) (Adam on `batch` pairs drawn per step, all of
+  them when fewer); A and W1 start random, alpha at 1, the hidden readout at 0 and b at
+  the mean residual. Returns a one-set probe without the leading axis."""
   d, x = jnp.asarray(h.delta_NxD), jnp.asarray(h.states_NxD)
   y = jnp.asarray(h.log_kl_N)
   mu, sd = x.mean(0), x.std(0) + 1e-6
@@ -202,9 +228,7 @@ def _fit_set(h: Harvest, rank: int, hidden: int, steps: int, lr: float, seed: in
 
   def loss_fn(p, data):  # the data are arguments: closed over, XLA would fold them in
     d, x, y, mu, sd = data
-    pred = _predict_set(probe(p, mu, sd), d, x)
-    err = jnp.where(y <= LOG_FLOOR, jnp.maximum(pred - LOG_FLOOR, 0.0), pred - y)
-    return jnp.mean(err * err)
+    return jnp.mean(objective(_predict_set(probe(p, mu, sd), d, x), y))
 
   n = int(y.shape[0])
   take = min(batch, n)

@@ -48,6 +48,7 @@ class RouterOptions:
   semantics: str = 'parallel'  # the KL probe's: harvested in parallel or cached semantics
   exit_eps: tuple[float, ...] = ()  # the KL probe's: also runs under the KL exit at these
   fit_seed: int = 0          # the KL probe's: pair subsample, initialisation and minibatches
+  objective: str = 'squares'  # the KL probe's fit objective (kl_probe.Objective)
 
 
 STEPS = flags.DEFINE_integer('router_steps', RouterOptions.steps, 'Full-batch AdamW steps of '
@@ -81,6 +82,11 @@ FIT_SEED = flags.DEFINE_integer('fit_seed', RouterOptions.fit_seed, 'The KL prob
                                 'pair subsample, initialisation and minibatch order (a refit '
                                 'with another seed shows how much the fit alone moves a '
                                 'result).', lower_bound=0)
+OBJECTIVE = flags.DEFINE_enum('probe_objective', RouterOptions.objective,
+                              [o.value for o in kl_probe.Objective], 'The KL probe\'s fit: '
+                              'squares (squared error of log KL) or crossings (the absolute '
+                              'error of log KL clipped to the thresholds in use: the exit '
+                              'decisions it gets wrong over log-uniform thresholds).')
 SEMANTICS = flags.DEFINE_enum('probe_semantics', RouterOptions.semantics, ['parallel', 'cached'],
                               'The semantics the KL probe is fitted (and used) in: '
                               'kl_probe.json or kl_probe_cached.json.')
@@ -104,9 +110,10 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if first < 1 or n_fit < 1:
     raise common.SetupError(f'--fit_from={first} and --fit_batches={n_fit} must be >= 1 '
                             '(batches before --fit_from are the held-out ones)')
-  if (x.exit_eps or x.semantics != 'parallel' or x.loops) and x.probe != 'kl_probe':
-    raise common.SetupError('--probe_exit_eps, --probe_semantics and --probe_loops are the KL '
-                            'probe\'s (--probe=kl_probe)')
+  if ((x.exit_eps or x.semantics != 'parallel' or x.loops or x.objective != 'squares')
+      and x.probe != 'kl_probe'):
+    raise common.SetupError('--probe_exit_eps, --probe_semantics, --probe_loops and '
+                            '--probe_objective are the KL probe\'s (--probe=kl_probe)')
   on_val = x.fit_split == 'val'
   ld = common.load(dataclasses.replace(opts, batches=first + n_fit * on_val))
   if len(ld.batches) < first + n_fit * on_val:
@@ -160,7 +167,8 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
   test_h = kl_probe.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
                             semantics=sem, progress=opts.progress)
   probe = kl_probe.fit(fit_h, rank=x.rank, hidden=x.hidden, steps=x.steps, lr=x.lr,
-                       seed=x.fit_seed, loops=max(1, min(x.loops or ld.r_max, ld.r_max - 1)))
+                       seed=x.fit_seed, loops=max(1, min(x.loops or ld.r_max, ld.r_max - 1)),
+                       objective=x.objective)
   res = {'train': kl_probe.evaluate(probe, fit_h), 'heldout': kl_probe.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
          'semantics': sem}
@@ -189,6 +197,6 @@ if __name__ == '__main__':
       steps=STEPS.value, lr=LR.value, max_pairs=MAX_PAIRS.value, fit_from=FIT_FROM.value,
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
       rank=RANK.value, hidden=HIDDEN.value, loops=LOOPS.value, semantics=SEMANTICS.value,
-      fit_seed=FIT_SEED.value,
+      fit_seed=FIT_SEED.value, objective=OBJECTIVE.value,
       exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
                      or ()))))

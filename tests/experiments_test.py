@@ -172,8 +172,8 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   semantics, its books count the probe, and in-sample batches or a missing file are refused."""
   with pytest.raises(common.SetupError, match='--kl_probe: no .*--probe=kl_probe'):
     sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], kl_probe=True))
-  for bad, why in ((dict(exit_eps=(0.1,)), "the KL probe's"), (dict(loops=3), "the KL probe's")):
-    with pytest.raises(common.SetupError, match=why):
+  for bad in (dict(exit_eps=(0.1,)), dict(loops=3), dict(objective='crossings')):
+    with pytest.raises(common.SetupError, match="the KL probe's"):
       train_router.run(_opts(workdir), train_router.RouterOptions(**bad))
   for sem, loops in (('parallel', 0), ('cached', 3)):
     out = train_router.run(_opts(workdir), train_router.RouterOptions(
@@ -186,15 +186,17 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
     assert out['router'].endswith({'parallel': 'kl_probe.json',
                                    'cached': 'kl_probe_cached.json'}[sem])
     assert -1 <= res['heldout']['spearman_probe'] <= 1
-  # --fit_seed: another seed, another fit; the same seed, the same fit
+  # --fit_seed: another seed, another fit; the same seed, the same fit; --probe_objective
+  # reaches the fit
   fits = {'first': kl_probe.load(out['router'])}  # the cached fit above: seed 0
-  for seed in (1, 0):
+  for seed, obj in ((1, 'squares'), (0, 'squares'), (0, 'crossings')):
     out = train_router.run(_opts(workdir), train_router.RouterOptions(
         steps=5, lr=1e-2, max_pairs=1000, fit_from=2, fit_batches=1, probe='kl_probe',
-        rank=4, hidden=2, semantics='cached', loops=3, fit_seed=seed))
-    fits[seed] = kl_probe.load(out['router'])
-  assert not np.allclose(fits[1].a_RxDxK, fits[0].a_RxDxK)
-  np.testing.assert_array_equal(fits[0].a_RxDxK, fits['first'].a_RxDxK)
+        rank=4, hidden=2, semantics='cached', loops=3, fit_seed=seed, objective=obj))
+    fits[seed, obj] = kl_probe.load(out['router'])
+  assert not np.allclose(fits[1, 'squares'].a_RxDxK, fits[0, 'squares'].a_RxDxK)
+  assert not np.allclose(fits[0, 'crossings'].a_RxDxK, fits[0, 'squares'].a_RxDxK)
+  np.testing.assert_array_equal(fits[0, 'squares'].a_RxDxK, fits['first'].a_RxDxK)
   ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3, 1.0], curves=('kl',), kl_probe=True, semantics=('parallel', 'cached'),
       timing_repeats=0))['results']

@@ -112,6 +112,36 @@ def test_fit_recovers_planted_per_loop_sets():
     kl_probe.fit(test_h._replace(loops_N=np.where(loops == 3, 4, loops)), steps=1, loops=3)
 
 
+def test_crossings_count_wrong_exit_decisions():
+  """The crossings objective per pair, against a brute-force count of the thresholds (a
+  fine log-uniform grid over [LOG_FLOOR, LOG_CEIL]) where the estimate and the truth take
+  different exit decisions, times the grid's width."""
+  r = np.random.default_rng(11)
+  pred, y = r.uniform(-25, 6, 500), r.uniform(-25, 6, 500)
+  y[:50] = kl_probe.LOG_FLOOR  # censored pairs: only an estimate above the floor counts
+  grid = np.linspace(kl_probe.LOG_FLOOR, kl_probe.LOG_CEIL, 200_001)
+  wrong = ((pred[:, None] < grid) != (y[:, None] < grid)).mean(1)
+  got = np.asarray(kl_probe._OBJECTIVES[kl_probe.Objective.CROSSINGS](jnp.asarray(pred),
+                                                                      jnp.asarray(y)))
+  np.testing.assert_allclose(got, wrong * (kl_probe.LOG_CEIL - kl_probe.LOG_FLOOR), atol=1e-3)
+
+
+def test_crossings_fit_resists_outliers():
+  """A planted probe with 10% of the pairs' log KL thrown far off: the crossings fit still
+  predicts the clean pairs closely; least squares is pulled away by the outliers."""
+  truth = random_probe(12, 3, seed=3, hidden=0)
+  fit_h, test_h = (_planted(truth, 4000, s, np.full(4000, 2)) for s in (4, 5))
+  r = np.random.default_rng(12)
+  bad = r.random(4000) < 0.1
+  fit_h = fit_h._replace(log_kl_N=np.where(bad, fit_h.log_kl_N + r.choice([-8.0, 8.0], 4000),
+                                           fit_h.log_kl_N).astype(np.float32))
+  ev = {o: kl_probe.evaluate(kl_probe.fit(fit_h, rank=3, steps=1500, objective=o), test_h)
+        for o in kl_probe.Objective}
+  assert ev[kl_probe.Objective.CROSSINGS]['rmse_log_kl'] < 0.15
+  assert ev[kl_probe.Objective.SQUARES]['rmse_log_kl'] > 2 * ev[
+      kl_probe.Objective.CROSSINGS]['rmse_log_kl']
+
+
 @pytest.fixture(scope='module')
 def setup(make_config, make_batch):
   cfg = make_config(model=dict(n_core=1, init_std=0.1), train=dict(batch_size=B, seq_len=L))
