@@ -14,7 +14,8 @@ peaked p_i is), and optionally H hidden units for what neither captures. It cost
 estimate is below eps, in the same units as KL. The map from state to KL differs between
 the first loops (large, fast-falling KL) and later ones, so a probe may carry one set of
 parameters per loop (`fit(loops=...)`); a check reads the set of its own loop, at the
-same cost.
+same cost. The fit minimises the squared error of log KL, or (`Objective.CROSSINGS`) the
+exit decisions the estimate gets wrong over log-uniform thresholds.
 """
 
 import enum
