@@ -119,7 +119,7 @@ def initial_states(model: LoopedLM, rng, length: int) -> jax.Array:
 
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
                 router=None, with_counts: bool = False, init_table=None,
-                trace: bool = False):
+                trace: bool = False, depth_B=None):
   """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]
   [, traces]).
 
@@ -127,6 +127,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   (else drawn here).
   trace: also return the check's statistics at every loop, the states included
   (`policies.make_check_fn`'s trace: kl, delta, ..., state; [R, B, 1(, D)]).
+  depth_B: int32 [B] given depths: a row also exits after depth_B loops (an oracle's or a
+  request's depth; with policy uniform at a cap >= max(depth_B), exactly those loops).
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
@@ -150,7 +152,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   def readout(s):
     return model.decode_state(s, pos_Bx1, [_cached(kv, pos) for kv in cache.coda])
 
-  fast = cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None and not trace
+  fast = (cfg.policy in (ExitPolicy.KL, ExitPolicy.GATED_KL) and router is None and not trace
+          and depth_B is None)
   if fast:
     check_fn, carry = _gated_kl_check(model, cache, pos, cfg, token_B.shape[0])
   else:
@@ -161,6 +164,8 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
         max_loops=inference.loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth,
         trace=trace, trace_states=trace)
     carry = carry0(s0)
+    if depth_B is not None:
+      check_fn = policies.scheduled(check_fn, lambda: jnp.asarray(depth_B)[:, None])
   res = recurrence.early_exit(
       masked_step, check_fn, s0, cache.core, carry, min_loops=cfg.min_loops,
       max_loops=inference.loop_cap(cfg), check_every=cfg.check_every, return_check=True,
@@ -284,7 +289,7 @@ def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              temperature: float = 0.0, router=None, with_counts: bool = False,
-             forced_BxN=None, prefill_cfg: ExitConfig | None = None):
+             forced_BxN=None, prefill_cfg: ExitConfig | None = None, depth_BxN=None):
   """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new[, nll][, counts]).
 
   forced_BxN: forced decoding: the n_new tokens are these, not picked, and nll_Bxn_new
@@ -293,6 +298,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   (batch passes [n_new]; every row runs each step's deepest row's loops).
   prefill_cfg: the prompt's exit config (default cfg), e.g. a deep prompt and a shallow
   uniform decode.
+  depth_BxN: given depths of the n_new decode steps (`decode_step`'s depth_B).
   """
   b, p = prompt_BxP.shape
   total = p + n_new
@@ -307,8 +313,10 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
       nll = (losses.nll(logits, tok),)
     else:
       tok, nll = pick(logits, jnp.full((b,), t), rng, temperature), ()
+    given = None if depth_BxN is None else jnp.asarray(depth_BxN, jnp.int32)[:, t - p]
     logits, cache, d, *n = decode_step(model, cache, tok, t, cfg, rng, router,
-                                       with_counts=with_counts, init_table=init)
+                                       with_counts=with_counts, init_table=init,
+                                       depth_B=given)
     return (cache, logits), (tok, d, *nll, *n)  # n: [Counts] only when asked for
 
   _, (toks, depth, *rest) = lax.scan(body, (cache, logits), jnp.arange(p, total))

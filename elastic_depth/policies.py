@@ -397,7 +397,8 @@ def make_check_fn(policy: str, *, eps: float, readout: Optional[Callable] = None
 
 
 def scheduled(check_fn: Callable, schedule_fn: Callable) -> Callable:
-  """check_fn that also exits at `i >= schedule_fn()` (synthetic exits for benchmarks).
+  """check_fn that also exits at `i >= schedule_fn()` (synthetic exits for benchmarks, or
+  given per-row depths [B, 1]: `decoding.decode_step`'s depth_B).
 
   The check's own decision stays part of the exit, so XLA cannot compile its work away
   (a discarded decision lets it drop the readout, head and KL); benchmarks give it a

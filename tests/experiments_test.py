@@ -17,7 +17,8 @@ from conftest import built_once, nll_np
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, train
 from elastic_depth.data import synthetic
 from elastic_depth import kl_probe, router as router_lib
-from experiments import calibrate_eps, common, convergence, eval_depth, sweep_eps, train_router
+from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
+                         train_router)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -378,3 +379,39 @@ def test_sweep_in_cached_semantics_reports_its_own_a0(workdir):
   assert fr['a0_loss_same_loops'][0] == pytest.approx(a0c['loss'][1])
   with open(out['paths']['md'], encoding='utf-8') as f:
     assert 'cached semantics' in f.read()
+
+
+def test_depth_oracle_reports_rules_beside_uniform_depth(workdir):
+  """experiments.depth_oracle: a uniform:d point is the forced decoding of the validation
+  windows at depth d (a Python loop of decode_step, float64 NLL, the prompt at the prefill
+  depth); the split rule's loops by class are its depths; bad rules and a too-long window
+  are one-line errors before any decoding."""
+  x = depth_oracle.OracleOptions(schedules=('uniform:1', 'uniform:3', 'split:3,1',
+                                            'lookahead:0.01'),
+                                 prompt_len=4, new_tokens=4, prefill_depth=2)
+  out = depth_oracle.run(common.Options(workdir=workdir, batches=1, progress=False, tag='oracle'), x)
+  pts = {p['schedule']: p for p in out['results']['points']}
+  loaded = common.load(common.Options(workdir=workdir, batches=1, progress=False))
+  b = loaded.batches[0]
+  toks, w = np.asarray(b['inputs'])[:, :8], np.asarray(b['mask'], np.float64)[:, 3:7]
+  key, uni = jax.random.key(0), lambda d: config_lib.ExitConfig(policy='uniform', depth=d)
+  for d in (1, 3):
+    cache, logits, _ = decoding.prefill(loaded.model, jnp.asarray(toks[:, :4]), uni(2), key, 8)
+    init, tot = decoding.initial_states(loaded.model, key, 8), 0.0
+    for j in range(4):
+      tot += (nll_np(logits[:, None], toks[:, 4 + j:5 + j])[:, 0] * w[:, j]).sum()
+      logits, cache, _ = decoding.decode_step(loaded.model, cache, jnp.asarray(toks[:, 4 + j]),
+                                              4 + j, uni(d), key, init_table=init)
+    assert pts[f'uniform:{d}']['loss'] == pytest.approx(tot / w.sum(), rel=1e-4)
+    assert pts[f'uniform:{d}']['mean_loops'] == d and pts[f'uniform:{d}']['gap'] == 0
+  split = pts['split:3,1']
+  assert split['loops_answer'] == 3 and split['loops_other'] == 1
+  share = (w[:, 1:] > 0).sum() / w.size  # the last decoded token predicts no scored target
+  assert split['mean_loops'] == pytest.approx(1 + 2 * share)
+  assert 1 <= pts['lookahead:0.01']['mean_loops'] <= loaded.r_max
+  assert os.path.exists(out['paths']['png']) and 'lookahead:0.01' in open(
+      out['paths']['md'], encoding='utf-8').read()
+  for bad, words in [(dict(schedules=('deep:2',)), 'unknown depth rule'),
+                     (dict(new_tokens=100), 'must fit the validation windows')]:
+    with pytest.raises(common.SetupError, match=words):
+      depth_oracle.run(_opts(workdir), dataclasses.replace(x, **bad))
