@@ -81,9 +81,14 @@ def plot(res: dict):
     ax = fig.add_subplot(1, 1, 1)
     uni = sorted((p['mean_loops'], p['loss']) for p in res['points'] if p['rule'] == 'uniform')
     ax.plot(*zip(*uni), 'k-o', label='uniform depth')
-    for p in res['points']:
-      if p['rule'] != 'uniform':
-        ax.plot(p['mean_loops'], p['loss'], 'o', label=p['schedule'])
+    rules = sorted({p['rule'] for p in res['points']} - {'uniform'})
+    for j, rule in enumerate(rules):  # one colour and marker per rule, each point its args
+      pts = [p for p in res['points'] if p['rule'] == rule]
+      ax.plot([p['mean_loops'] for p in pts], [p['loss'] for p in pts], 'os^vDP'[j % 6],
+              color=f'C{j}', linestyle='none', label=rule)
+      for p in pts:
+        ax.annotate(p['schedule'].partition(':')[2], (p['mean_loops'], p['loss']),
+                    fontsize=7, xytext=(3, 3), textcoords='offset points')
     ax.set_yscale('log')
     ax.set_xlabel('mean decode loops')
     ax.set_ylabel('answer loss (nats)')
