@@ -3,7 +3,8 @@
 Forced decoding of validation text in cached semantics (the prompt prefilled in parallel
 semantics, then one token at a time through `decoding.decode_step`), with each token's
 depth chosen by a rule. Beside uniform depth and the model's own exit policies, two kinds
-of oracle bound what any exit policy can reach at matched quality:
+of oracle that see what an exit policy cannot (they are references, not bounds: on the
+main job the state-change exit beats both, WORKSPACE.md, twenty-ninth session):
 - label oracles: the tokens that predict an answer run one depth and the rest another
   (`split`), or the answer's difficulty k sets its depth (`difficulty`);
 - the lookahead oracle: a token stops at the first loop i >= 1 where the next loop would
@@ -70,6 +71,11 @@ def parse(spec: str) -> Schedule:
     if any(a != int(a) for a in args):
       raise ValueError(f'error: the depths of {spec!r} must be integers')
     args = tuple(int(a) for a in args)
+    depths = args[-1:] if rule == Rule.DIFFICULTY else args  # difficulty's C is an offset
+    if min(depths) < 1:
+      raise ValueError(f'error: the depths of {spec!r} must be at least 1')
+  elif args[0] <= 0:
+    raise ValueError(f'error: the threshold of {spec!r} must be positive')
   return Schedule(rule, args)
 
 
@@ -137,18 +143,14 @@ def lookahead_decode(model, prompt_BxP, forced_BxN, eps, r_max: int, rng,
 def schedule_fn(model, s: Schedule, r_max: int, rng, prefill_depth: int):
   """A jitted (prompt_BxP, forced_BxN, depth_BxN) -> (nll_BxN, depth_BxN) for schedule s."""
   pcfg = ExitConfig(policy=ExitPolicy.UNIFORM, depth=prefill_depth)
-  n_of = lambda f: f.shape[1]
   if s.rule == Rule.LOOKAHEAD:
     return jax.jit(lambda x, f, _: lookahead_decode(model, x, f, s.args[0], r_max, rng, pcfg))
-  if s.rule in _POLICY:
-    cfg = ExitConfig(policy=_POLICY[s.rule], eps=s.args[0], max_loops=r_max)
-    given = False
-  else:
-    cfg = ExitConfig(policy=ExitPolicy.UNIFORM, depth=r_max)
-    given = True
+  given = s.rule in _INTEGER
+  cfg = (ExitConfig(policy=ExitPolicy.UNIFORM, depth=r_max) if given else
+         ExitConfig(policy=_POLICY[s.rule], eps=s.args[0], max_loops=r_max))
 
   def run(x, f, d):
-    _, depth, nll = decoding.generate(model, x, n_of(f), cfg, rng, forced_BxN=f,
+    _, depth, nll = decoding.generate(model, x, f.shape[1], cfg, rng, forced_BxN=f,
                                       prefill_cfg=pcfg, depth_BxN=d if given else None)
     return nll, depth
   return jax.jit(run)

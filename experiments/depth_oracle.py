@@ -8,8 +8,9 @@
 Forced decoding of the validation windows in cached semantics (prompt prefilled at a
 uniform depth, then the next tokens decoded one at a time; see elastic_depth/oracle.py):
 for each schedule the answer loss and the mean decode loops, and its gap to uniform depth
-at equal mean loops. A label oracle or the lookahead oracle that cannot beat uniform
-depth bounds what an exit policy can gain on this model. Writes
+at equal mean loops. The oracles see labels or the future that an exit policy cannot, a
+reference for what per-token depth can gain on this model (not a bound: an exit policy
+can beat them). Writes
 <workdir>/reports/depth_oracle[_TAG].{json,md,png}.
 """
 
@@ -98,6 +99,9 @@ def plot(res: dict):
 
 def run(opts: common.Options, x: OracleOptions = OracleOptions()) -> dict:
   """Loads the workdir, decodes the pool under every schedule and writes the report."""
+  if x.prefill_depth < 0:
+    raise common.SetupError(f'--prefill_depth must be >= 0 (0: the training mean), got '
+                            f'{x.prefill_depth}')
   try:
     schedules = [oracle.parse(s) for s in x.schedules]
   except ValueError as e:

@@ -412,6 +412,7 @@ def test_depth_oracle_reports_rules_beside_uniform_depth(workdir):
   assert os.path.exists(out['paths']['png']) and 'lookahead:0.01' in open(
       out['paths']['md'], encoding='utf-8').read()
   for bad, words in [(dict(schedules=('deep:2',)), 'unknown depth rule'),
-                     (dict(new_tokens=100), 'must fit the validation windows')]:
+                     (dict(new_tokens=100), 'must fit the validation windows'),
+                     (dict(prefill_depth=-1), 'prefill_depth must be >= 0')]:
     with pytest.raises(common.SetupError, match=words):
       depth_oracle.run(_opts(workdir), dataclasses.replace(x, **bad))

@@ -163,8 +163,12 @@ def test_label_rules_and_their_alignment():
 def test_parse_names_the_problem():
   assert oracle.parse('lookahead:1e-3') == oracle.Schedule(oracle.Rule.LOOKAHEAD, (1e-3,))
   assert oracle.parse('split:3,2').name == 'split:3,2'
+  assert oracle.parse('difficulty:-1,1').args == (-1, 1)  # C offsets k; only B is a depth
   for bad, words in [('deep:3', 'unknown depth rule'), ('split:3', 'takes 2'),
-                     ('uniform:2.5', 'integers'), ('kl:x', 'numbers'), ('uniform', 'takes 1')]:
+                     ('uniform:2.5', 'integers'), ('kl:x', 'numbers'), ('uniform', 'takes 1'),
+                     ('uniform:0', 'at least 1'), ('split:3,0', 'at least 1'),
+                     ('difficulty:0,0', 'at least 1'), ('lookahead:0', 'positive'),
+                     ('state_delta:-1', 'positive')]:
     with pytest.raises(ValueError, match=words):
       oracle.parse(bad)
   with pytest.raises(ValueError, match='difficulty'):
