@@ -50,6 +50,27 @@ def masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
   return float(np.sum(np.asarray(x, np.float64) * m) / max(np.sum(m), 1.0))
 
 
+def in_row_chunks(fn, arrays: Sequence[np.ndarray], chunk: int = 64) -> tuple:
+  """fn over the rows of arrays in chunks of one size (one compile), outputs float64.
+
+  Args:
+    fn: a row-wise function of len(arrays) arrays [c, ...] returning a tuple of arrays
+      [c, ...] (row i of each output depends on row i of the inputs only).
+    arrays: inputs with the same number of rows N.
+    chunk: rows per call; the last chunk is padded with repeats of the first rows.
+
+  Returns:
+    fn's outputs over all N rows (float64), each [N, ...].
+  """
+  rows = int(np.shape(arrays[0])[0])
+  c = min(chunk, rows)
+  idx = np.arange(-(-rows // c) * c) % rows
+  parts = [fn(*(jnp.asarray(np.asarray(a)[idx[i:i + c]]) for a in arrays))
+           for i in range(0, len(idx), c)]
+  return tuple(np.concatenate([np.asarray(p[k], np.float64) for p in parts])[:rows]
+               for k in range(len(parts[0])))
+
+
 # ----------------------------------------------------------------------------
 # Traces.
 

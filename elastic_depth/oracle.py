@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from elastic_depth import decoding, losses
+from elastic_depth import analysis, decoding, losses
 from elastic_depth.config import ExitConfig, ExitPolicy
 
 
@@ -172,18 +172,8 @@ def measure(model, pool: Mapping[str, Any], s: Schedule, r_max: int, rng, prefil
   given = given_depths(s, answer, k, r_max) if s.rule in _INTEGER else np.zeros(w.shape,
                                                                                np.int32)
   fn = schedule_fn(model, s, r_max, rng, prefill_depth)
-  rows = w.shape[0]
-  c = min(chunk, rows)
-  idx = np.arange(-(-rows // c) * c) % rows  # the last chunk padded with repeats
-  nll, depth = [], []
-  for i in range(0, len(idx), c):
-    j = idx[i:i + c]
-    out = fn(jnp.asarray(pool['prompt'][j]), jnp.asarray(pool['forced'][j]),
-             jnp.asarray(given[j]))
-    nll.append(np.asarray(out[0], np.float64))
-    depth.append(np.asarray(out[1], np.float64))
-  nll = np.concatenate(nll)[:rows]
-  depth = np.concatenate(depth)[:rows]
+  nll, depth = analysis.in_row_chunks(lambda p, f, g: fn(p, f, g)[:2],
+                                      [pool['prompt'], pool['forced'], given], chunk)
   return dict(schedule=s.name, rule=s.rule.value, loss=float((nll * w).sum() / max(w.sum(), 1)),
               mean_loops=float(depth.mean()),
               loops_answer=float(depth[answer].mean()) if answer.any() else None,

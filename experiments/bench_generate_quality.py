@@ -42,16 +42,9 @@ def forced_loss(mdl, pool: dict, rng, policy, eps, r_max, prefill_depth=None,
                                                              depth=prefill_depth)
   run = jax.jit(lambda x, f: decoding.generate(mdl, x, n, cfg, rng, forced_BxN=f,
                                                prefill_cfg=pcfg)[2])
-  rows = pool['prompt'].shape[0]
-  c = min(chunk, rows)
-  idx = np.arange(-(-rows // c) * c)  # the last chunk padded with weightless repeats
-  w = np.where((idx < rows)[:, None], pool['weight'][idx % rows], 0.0)
-  tot = 0.0
-  for i in range(0, len(idx), c):
-    j = idx[i:i + c] % rows
-    nll = run(jnp.asarray(pool['prompt'][j]), jnp.asarray(pool['forced'][j]))
-    tot += float(np.sum(np.asarray(nll, np.float64) * w[i:i + c]))
-  return tot / max(w.sum(), 1.0)
+  nll, = analysis.in_row_chunks(lambda x, f: (run(x, f),), [pool['prompt'], pool['forced']],
+                                chunk)
+  return masked_loss(nll, np.asarray(pool['weight'], np.float64))
 
 
 def quality_fn(mdl, batches, pool: dict, rng):

@@ -107,3 +107,22 @@ def test_convergence_summary(setup):
   ch = trace.stats['argmax'][1] != trace.stats['argmax'][0]
   np.testing.assert_allclose(pl['mean_argmax_changed'][1], ch[valid].mean())
   assert pl['mean_argmax_changed'][0] == 0
+
+
+@pytest.mark.parametrize('rows,chunk', [(10, 4), (8, 4), (3, 64)])
+def test_in_row_chunks_equals_one_call_on_all_rows(rows, chunk):
+  rng = np.random.default_rng(0)
+  a, b = rng.normal(size=(rows, 5)), rng.integers(0, 9, size=(rows, 2, 3))
+  shapes = []
+
+  def fn(x, y):
+    shapes.append((x.shape, y.shape))
+    return x * 2.0 + y.sum(axis=(1, 2))[:, None], jnp.cumsum(y, axis=2)
+
+  got = analysis.in_row_chunks(fn, [a, b], chunk)
+  c = min(chunk, rows)
+  assert set(shapes) == {((c, 5), (c, 2, 3))}  # one shape: one compile under jit
+  assert len(shapes) == -(-rows // c)
+  np.testing.assert_allclose(got[0], a * 2.0 + b.sum(axis=(1, 2))[:, None], rtol=1e-6)
+  np.testing.assert_array_equal(got[1], np.cumsum(b, axis=2))
+  assert got[0].dtype == np.float64 and got[1].shape == (rows, 2, 3)
