@@ -1,0 +1,50 @@
+"""Report files: JSON-safe values, the JSON/markdown/PNG triple, markdown tables."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from elastic_depth import reports
+
+
+def test_clean_converts_numpy_and_non_finite_values():
+  raw = {'a': np.float32(0.5), 'b': np.arange(3), 'c': [np.int64(2), float('nan')],
+         'd': (np.bool_(True), -math.inf), 3: {'e': np.array([[1.5, np.inf]])}}
+  got = reports.clean(raw)
+  assert got == {'a': 0.5, 'b': [0, 1, 2], 'c': [2, None], 'd': [True, None],
+                 '3': {'e': [[1.5, None]]}}
+  assert type(got['b'][0]) is int and type(got['d'][0]) is bool
+  json.dumps(got, allow_nan=False)  # strict JSON
+
+
+def test_write_makes_the_three_files(tmp_path):
+  calls = []
+  paths = reports.write(str(tmp_path), 'demo', {'loss': np.float64(1.25), 'bad': np.nan},
+                        flags={'eps': 0.1}, checkpoint={'step': 7}, markdown='# demo\n',
+                        plot=lambda fig: calls.append(fig.add_subplot(1, 1, 1).plot([0, 1])))
+  assert sorted(paths) == ['json', 'md', 'png'] and len(calls) == 1
+  assert all(os.path.dirname(p) == str(tmp_path / 'reports') for p in paths.values())
+  with open(paths['json']) as f:
+    doc = json.load(f)
+  assert doc['experiment'] == 'demo' and doc['results'] == {'loss': 1.25, 'bad': None}
+  assert doc['flags'] == {'eps': 0.1} and doc['checkpoint'] == {'step': 7}
+  assert {'date', 'command'} <= set(doc)
+  assert open(paths['md']).read() == '# demo\n'
+  with open(paths['png'], 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_write_without_a_plot_writes_no_png(tmp_path):
+  paths = reports.write(str(tmp_path), 'x', {}, flags={}, checkpoint={}, markdown='')
+  assert sorted(paths) == ['json', 'md']
+  assert sorted(os.listdir(tmp_path / 'reports')) == ['x.json', 'x.md']
+
+
+@pytest.mark.parametrize('value,cell', [(0.123456, '0.1235'), (None, '-'), (7, '7'),
+                                        ('kl', 'kl'), (12345.678, '1.235e+04')])
+def test_table_formats_cells(value, cell):
+  out = reports.table(['name', 'value'], [['row', value]])
+  assert out.splitlines() == ['| name | value |', '|---|---|', f'| row | {cell} |']
