@@ -1,4 +1,6 @@
-"""Data parallelism: 2 steps on a 4-device CPU mesh equal 2 steps on one device.
+"""Processes, meshes and shardings: the cluster probe, the argument checks and the fsdp
+leaf rule in-process; data parallelism (2 steps on a 4-device CPU mesh equal 2 steps on
+one device) in a subprocess.
 
 The 4 host devices must be configured before jax starts, so the training runs in
 a subprocess that prints its results as JSON; the assertions are made here.
@@ -9,8 +11,13 @@ import os
 import subprocess
 import sys
 
+import jax
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
+
+from elastic_depth import distributed
+from elastic_depth.config import ConfigError
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)
@@ -91,3 +98,45 @@ def test_four_devices_really_shard_the_batch_and_train_like_one_device():
   # Same init, and the two steps really moved the parameters.
   np.testing.assert_array_equal(m4['init_params'], m1['init_params'])
   assert np.abs(p1 - np.asarray(m1['init_params'])).max() > 1e-3
+
+
+@pytest.mark.parametrize('env,want', [
+    ({}, False),
+    ({'SLURM_STEP_NUM_TASKS': '1'}, False),  # a one-task SLURM step is one process
+    ({'SLURM_STEP_NUM_TASKS': '4'}, True),
+    ({'OMPI_COMM_WORLD_SIZE': '2'}, True),
+    ({'OMPI_COMM_WORLD_SIZE': 'x'}, False),
+    ({'TPU_WORKER_HOSTNAMES': 'localhost'}, False),  # a single-host TPU VM
+    ({'TPU_WORKER_HOSTNAMES': 'h0,h1'}, True),
+    ({'JAX_COORDINATOR_ADDRESS': '10.0.0.1:1234'}, True),
+    ({'JAX_COORDINATOR_ADDRESS': ''}, False),
+])
+def test_cluster_detected_reads_the_launchers_environment(env, want):
+  assert distributed.cluster_detected(env) is want
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(coordinator_address='127.0.0.1:1'), 'go together'),
+    (dict(num_processes=2, process_id=0), 'go together'),
+    (dict(coordinator_address='127.0.0.1:1', num_processes=2, process_id=2), 'not in'),
+])
+def test_initialize_refuses_partial_or_wrong_arguments_before_joining(kwargs, match):
+  with pytest.raises(ConfigError, match=match):
+    distributed.initialize(**kwargs)
+
+
+def test_leaf_specs_split_the_named_axis_and_replicate_the_rest():
+  assert distributed.logical_axes('wq_DxHxK') == ('D', 'H', 'K')
+  assert distributed.logical_axes('scale') == ()
+  tree = {'wq_DxHxK': np.zeros((8, 2, 4)), 'w_down_FxD': np.zeros((6, 8)),
+          'scale': np.zeros(8), 'w_bad_DxF': np.zeros((8, 6, 1)), 'count': np.zeros(())}
+  specs = jax.tree_util.tree_map_with_path(
+      lambda p, x: distributed.leaf_spec(p, x, 'D', 4), tree)
+  assert specs == {'wq_DxHxK': P('fsdp', None, None), 'w_down_FxD': P(None, 'fsdp'),
+                   'scale': P(), 'w_bad_DxF': P(), 'count': P()}  # rank != suffix: replicated
+  one = jax.tree_util.tree_map_with_path(lambda p, x: distributed.leaf_spec(p, x, 'D', 1), tree)
+  assert all(s == P() for s in jax.tree.leaves(one, is_leaf=lambda s: isinstance(s, P)))
+  with pytest.raises(ConfigError, match='not divisible'):
+    distributed.leaf_spec([jax.tree_util.DictKey('w_up_DxF')], np.zeros((6, 8)), 'D', 4)
+  with pytest.raises(ConfigError, match='does not divide'):
+    distributed.make_mesh(jax.devices()[:1], fsdp=2)
