@@ -18,6 +18,8 @@ from elastic_depth import model as model_lib
 from experiments import bench_util
 from experiments import host_setup
 
+pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -2,9 +2,12 @@
 need more permutations exit later, by a margin no depth-independent model could show."""
 
 import jax
+import pytest
 
 from elastic_depth import config as config_lib, difficulty, train
 from experiments import common
+
+pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 
 STEPS = 300
 R_MAX = 6

@@ -75,6 +75,7 @@ def _result() -> dict:
   return json.loads(lines[0][len('RESULT'):])
 
 
+@pytest.mark.slow
 def test_four_devices_really_shard_the_batch_and_train_like_one_device():
   """One test over one subprocess (a module fixture would be rebuilt on each xdist worker)."""
   result = _result()

@@ -6,9 +6,12 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from elastic_depth import config as config_lib, distributed, dry_run, model as model_lib
 from pretrain_errors_test import TINY, tiny_config
+
+pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

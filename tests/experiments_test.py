@@ -20,6 +20,8 @@ from elastic_depth import kl_probe, router as router_lib
 from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
                          train_router)
 
+pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

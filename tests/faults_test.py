@@ -20,6 +20,8 @@ import pytest
 from conftest import built_once
 from elastic_depth import checkpoint, train
 
+pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 40
 TINY = [

@@ -9,6 +9,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SETUP, PARAMS = 1, 3  # indices of the repository cell and the parameters cell
 
