@@ -132,6 +132,9 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   return out
 
 
+BUILTIN_CURVES = ('kl', 'gated_kl', 'reverse_kl', 'confidence', 'state_delta')
+
+
 def _grids(curves: Sequence[str], eps_grid, state_delta_grid) -> dict:
   """Each built-in curve's thresholds; ValueError on an unknown curve."""
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)

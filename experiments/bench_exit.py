@@ -276,8 +276,12 @@ def markdown(out: dict) -> str:
 
 def main(argv):
   del argv
+  from experiments import common  # pylint: disable=g-import-not-at-top (after this module's flags)
   if _FAKE.value < 0 or _FAKE.value >= 1:
-    raise app.UsageError(f'error: --fake_exit_fraction={_FAKE.value} must be in [0, 1)')
+    raise common.SetupError(f'--fake_exit_fraction={_FAKE.value} must be in [0, 1)')
+  bad = sorted(set(_SHAPES.value) - set(bench_util.MODEL_SHAPES))
+  if bad and not _WORKDIR.value:
+    raise common.SetupError(f'--shapes: unknown {bad}; known: {sorted(bench_util.MODEL_SHAPES)}')
   runs = {}
   rng = np.random.default_rng(0)
   if _WORKDIR.value:

@@ -50,8 +50,13 @@ flags.DEFINE_float('cpu_kernel_max_gflop', 5.0,
 
 
 def parse_shape(text):
-  """'NxDxV' -> (N, D, V)."""
-  n, d, v = (int(x) for x in text.lower().split('x'))
+  """'NxDxV' -> (N, D, V); a one-line exit naming the flag on anything else."""
+  try:
+    n, d, v = (int(x) for x in text.lower().split('x'))
+  except ValueError:
+    n = d = v = 0
+  if min(n, d, v) < 1:
+    raise SystemExit(f'error: --shapes: {text!r} is not NxDxV with positive integers')
   return n, d, v
 
 
@@ -181,7 +186,8 @@ def main(argv):
   del argv
   bad = [t for t in FLAGS.v_splits if t != 'auto' and not (t.isdigit() and int(t) > 0)]
   if bad or not FLAGS.v_splits:
-    raise app.UsageError(f'--v_splits: {FLAGS.v_splits}; want auto or integers > 0')
+    raise SystemExit(f'error: --v_splits: {FLAGS.v_splits}; want auto or integers > 0')
+  shapes = [parse_shape(text) for text in FLAGS.shapes]  # every shape checked before work
   backend = jax.default_backend()
   on_gpu = backend == 'gpu'
   dtype_name = FLAGS.dtype
@@ -189,8 +195,7 @@ def main(argv):
     dtype_name = 'bfloat16' if on_gpu else 'float32'
   dtype = jnp.dtype(dtype_name)
   results = []
-  for text in FLAGS.shapes:
-    n, d, v = parse_shape(text)
+  for n, d, v in shapes:
     if on_gpu:
       blocks = {'block_n': FLAGS.block_n or 64, 'block_v': FLAGS.block_v or 128,
                 'block_d': FLAGS.block_d or klh.gpu_block_d(d)}

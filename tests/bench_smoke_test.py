@@ -89,6 +89,22 @@ def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
   assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
 
 
+@pytest.mark.parametrize('main,flag,needle,rc', [
+    ('bench_exit', '--shapes=S,Q', "--shapes: unknown ['Q']", 2),
+    ('bench_exit', '--fake_exit_fraction=1', '--fake_exit_fraction=1.0 must be in [0, 1)', 2),
+    ('bench_kl', '--shapes=8x4x16,8x4', "--shapes: '8x4' is not NxDxV", 1),
+    ('bench_kl', '--shapes=0x4x16', "--shapes: '0x4x16' is not NxDxV", 1),
+    ('bench_kl', '--v_splits=0', '--v_splits', 1)])
+def test_bench_bad_flag_is_one_line_before_any_work(main, flag, needle, rc, tmp_path):
+  out = tmp_path / 'out.json'
+  proc = subprocess.run([sys.executable, '-m', f'experiments.{main}', flag, f'--out={out}'],
+                        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == rc, proc.stderr[-2000:]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
+  assert not out.exists() and proc.stdout == ''  # nothing timed, nothing written
+
+
 def profile_train_ops(path):
   from experiments import profile_train  # pylint: disable=g-import-not-at-top
   with gzip.open(path, 'rt', encoding='utf-8') as f:

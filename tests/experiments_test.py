@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import built_once, nll_np
-from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, train
+from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, frontier, train
 from elastic_depth.data import synthetic
 from elastic_depth import kl_probe, router as router_lib
 from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
@@ -363,6 +363,13 @@ def test_sweep_list_flags_name_a_bad_value():
   for bad in (['0'], ['-2']):
     with pytest.raises(common.SetupError, match='--eps_growth: want positive numbers'):
       sweep_eps._growths(bad)
+
+
+def test_sweep_refuses_an_unknown_curve_before_loading_anything(tmp_path):
+  missing = str(tmp_path / 'no_such_workdir')  # the curve is named first: nothing is read
+  with pytest.raises(common.SetupError, match=r"--curves: unknown \['klx'\]; choose from kl, "):
+    sweep_eps.run(_opts(missing), sweep_eps.SweepOptions(curves=('kl', 'klx')))
+  assert set(frontier.BUILTIN_CURVES) == set(frontier._grids((), None, None))
 
 
 def test_sweep_in_cached_semantics_reports_its_own_a0(workdir):
