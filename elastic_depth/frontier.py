@@ -135,16 +135,20 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
 BUILTIN_CURVES = ('kl', 'gated_kl', 'reverse_kl', 'confidence', 'state_delta')
 
 
+def unknown_curves(curves: Sequence[str]) -> list[str]:
+  """The names in curves that are not built-in curves, sorted."""
+  return sorted(set(curves) - set(BUILTIN_CURVES))
+
+
 def _grids(curves: Sequence[str], eps_grid, state_delta_grid) -> dict:
   """Each built-in curve's thresholds; ValueError on an unknown curve."""
+  bad = unknown_curves(curves)
+  if bad:
+    raise ValueError(f'unknown curve {bad[0]!r}; built-in curves: {sorted(BUILTIN_CURVES)}')
   eps_grid = default_grid() if eps_grid is None else list(eps_grid)
-  grids = {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
-           'confidence': CONFIDENCE_GRID,
-           'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
-  for c in curves:
-    if c not in grids:
-      raise ValueError(f'unknown curve {c!r}; built-in curves: {sorted(grids)}')
-  return grids
+  return {'kl': eps_grid, 'gated_kl': eps_grid, 'reverse_kl': eps_grid,
+          'confidence': CONFIDENCE_GRID,
+          'state_delta': state_delta_grid or default_grid(1e-4, 1.0, 9)}
 
 
 def _variants(specs: dict, sems, *, check_every, min_loops, patience, eps_growth) -> dict:

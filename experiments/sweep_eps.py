@@ -188,7 +188,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   bad = sorted(set(x.semantics) - {s.value for s in Semantics})
   if bad:
     raise common.SetupError(f'--semantics: unknown {bad}; choose from parallel, cached')
-  bad = sorted(set(x.curves) - set(frontier.BUILTIN_CURVES))
+  bad = frontier.unknown_curves(x.curves)
   if bad or not x.curves:
     raise common.SetupError(f'--curves: unknown {bad}; choose from '
                             f'{", ".join(frontier.BUILTIN_CURVES)}')
