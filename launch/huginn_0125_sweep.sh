@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Exit study on Huginn-0125 (3.56B parameters, prelude/core/coda 2/4/2, trained at mean depth
 # 32; issue 14): import, then every measurement on 1,000 FineWeb-Edu documents with Huginn's
-# own tokenizer, A0 at depths 1..32, A1 (KL) at eps 1e-6..1e-1 and A2 (router).
+# own tokenizer, A0 at depths 1..32, A1 (KL) at eps 1e-6..1e-1 and A2 (router, fitted on
+# other FineWeb-Edu documents, $FIT, so that every scored batch is held out).
 #   SRC=/data/huginn-0125 bash launch/huginn_0125_sweep.sh   # a local HF snapshot folder
 #   SRC=tomg-group-umd/huginn-0125 bash launch/huginn_0125_sweep.sh   # needs the network
+# Other settings by environment: WD, FW (scored text), FIT, BATCHES (128), DEPTH (32),
+# BATCH (8), SEQ (1024); tests/launch_test.py runs it on the tiny fixture with small ones.
 # Cannot run on the development machines (no network, no GPU); its code path is tested on
 # the tiny fixture end to end (tests/huginn_test.py). Estimates (2026-12-03):
 # Memory: import host peak ~19 GB (measured 1.31x the fp32 parameter bytes on a 138M bf16
@@ -27,11 +30,15 @@ cd "$(dirname "$0")/.."
 SRC="${SRC:-tomg-group-umd/huginn-0125}"
 WD="${WD:-runs/huginn_0125}"
 FW="${FW:-../shared/data/fineweb_edu/fineweb-edu.sample-350BT.part0.jsonl,../shared/data/fineweb_edu/fineweb-edu.sample-350BT.part1.jsonl}"
+FIT="${FIT:-../shared/data/fineweb_edu/fineweb-edu.sample-350BT.part2.jsonl}"
 DATA=(--data_source=text --data_paths="$FW" --data_val_paths="$FW" --data_set=max_docs=1000)
-EVAL=(--max_depth=32 --batches="${BATCHES:-128}" --batch_size=8 --seq_len=1024 --quiet)
+FIT_DATA=(--data_source=text --data_paths="$FIT" --data_val_paths="$FW" --data_set=max_docs=1000)
+EVAL=(--max_depth="${DEPTH:-32}" --batches="${BATCHES:-128}" --batch_size="${BATCH:-8}"
+      --seq_len="${SEQ:-1024}" --quiet)
 [ -e "$WD/config.json" ] || python -m experiments.import_huginn --src="$SRC" --workdir="$WD"
 python -m experiments.eval_depth --workdir="$WD" "${DATA[@]}" "${EVAL[@]}"
 python -m experiments.convergence --workdir="$WD" "${DATA[@]}" "${EVAL[@]}"
-python -m experiments.train_router --workdir="$WD" "${DATA[@]}" "${EVAL[@]}"
+python -m experiments.train_router --workdir="$WD" "${FIT_DATA[@]}" --fit_split=train \
+    "${EVAL[@]}"
 python -m experiments.sweep_eps --workdir="$WD" "${DATA[@]}" "${EVAL[@]}" --router \
     --eps_grid=1e-6,1e-5,1e-4,1e-3,1e-2,1e-1

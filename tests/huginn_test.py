@@ -234,3 +234,23 @@ def test_memory_plan_counts_the_parameters_as_arguments():
   for kind in ('trace', 'exit'):  # fp32 parameters + inputs and targets (+ key, eps)
     assert abs(plan[kind]['argument'] * 1e9 - (4 * n + 2 * 4 * 2 * 24)) <= 64
     assert plan[kind]['temp'] > 0
+
+
+@pytest.mark.slow
+def test_huginn_0125_sweep_script_runs_end_to_end_on_the_fixture(tmp_path):
+  """launch/huginn_0125_sweep.sh, small settings: import, every step; the router is fitted on
+  other text, so the sweep may score more batches than train_router's default --fit_from."""
+  src = _snapshot(tmp_path / 'src', _weights())
+  _small_tokenizer(tmp_path / 'src')
+  wd, fw = tmp_path / 'wd', str(FINEWEB)
+  env = dict(os.environ, SRC=src, WD=str(wd), FW=fw,
+             FIT=fw.replace('part0', 'part1'), BATCHES='10', DEPTH='3', BATCH='2', SEQ='16')
+  out = subprocess.run(['bash', str(ROOT / 'launch' / 'huginn_0125_sweep.sh')], env=env,
+                       capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rt = json.loads((wd / 'router.json').read_text())['fit']
+  assert rt['split'] == 'train' and fw.replace('part0', 'part1') in rt['data_config']['paths']
+  sw = json.loads((wd / 'reports' / 'sweep_eps.json').read_text())
+  assert {'kl', 'router'} <= set(sw['results']['curves']) and sw['flags']['batches'] == 10
+  assert (wd / 'reports' / 'eval_depth.json').is_file()
+  assert (wd / 'reports' / 'convergence.json').is_file()
