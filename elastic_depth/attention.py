@@ -56,35 +56,35 @@ def attention_chunks(l: int, min_chunk: int = 64, max_chunks: int = 4) -> int:
 
 
 def _group_major(x_BxLxHxK, g: int) -> jax.Array:
-  """[B, L, H, K] -> [B, G, R, L, K]: the R = H / G query heads of each kv head."""
+  """[B, L, H, K] -> [B, G, M, L, K]: the M = H / G query heads of each kv head."""
   b, l, h, kd = x_BxLxHxK.shape
   return x_BxLxHxK.reshape(b, l, g, h // g, kd).transpose(0, 2, 3, 1, 4)
 
 
-def _ungroup(o_BxGxRxLxK) -> jax.Array:
-  """[B, G, R, L, K] -> [B, L, H, K] (the inverse of _group_major)."""
-  b, g, rep, l, kd = o_BxGxRxLxK.shape
-  return o_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * rep, kd)
+def _ungroup(o_BxGxMxLxK) -> jax.Array:
+  """[B, G, M, L, K] -> [B, L, H, K] (the inverse of _group_major)."""
+  b, g, rep, l, kd = o_BxGxMxLxK.shape
+  return o_BxGxMxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * rep, kd)
 
 
 def _scaled_group_major(q_BxLxHxK, g: int) -> jax.Array:
-  """The queries group-major ([B, G, R, L, K]) and scaled by K^-1/2."""
+  """The queries group-major ([B, G, M, L, K]) and scaled by K^-1/2."""
   scale = jnp.asarray(q_BxLxHxK.shape[-1] ** -0.5, q_BxLxHxK.dtype)
   return _group_major(q_BxLxHxK, g) * scale
 
 
-def _chunk_scores(qs_BxGxRxLxK, k_BxGxSxK, i: int, w: int, end: int):
-  """Chunk i of w scaled queries as [B, G, R w, K] and its fp32 scores over the keys
+def _chunk_scores(qs_BxGxMxLxK, k_BxGxSxK, i: int, w: int, end: int):
+  """Chunk i of w scaled queries as [B, G, M w, K] and its fp32 scores over the keys
   [:end] (unmasked)."""
-  b, g, rep, _, kd = qs_BxGxRxLxK.shape
-  q_BxGxQxK = qs_BxGxRxLxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
+  b, g, rep, _, kd = qs_BxGxMxLxK.shape
+  q_BxGxQxK = qs_BxGxMxLxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
   s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
                          preferred_element_type=jnp.float32)
   return q_BxGxQxK, s_BxGxQxS
 
 
 def _causal_see(i: int, w: int, rep: int) -> jax.Array:
-  """Chunk i's causal mask [R w, (i + 1) w] (query row r w + t is position i w + t)."""
+  """Chunk i's causal mask [M w, (i + 1) w] (query row r w + t is position i w + t)."""
   return jnp.tile((jnp.arange(w)[:, None] + i * w) >= jnp.arange((i + 1) * w)[None], (rep, 1))
 
 
@@ -96,12 +96,12 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   batched matmul (no repeated keys/values). Chunk i's queries meet the keys [:key_end(i)]
   where see(i, end) ([B or 1, C / n, end] bool) is true.
   """
-  qs_BxGxRxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
-  rep, w = qs_BxGxRxCxK.shape[2], qs_BxGxRxCxK.shape[3] // n
+  qs_BxGxMxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
+  rep, w = qs_BxGxMxCxK.shape[2], qs_BxGxMxCxK.shape[3] // n
   outs = []
   for i in range(n):
     end = key_end(i)
-    _, s_BxGxQxS = _chunk_scores(qs_BxGxRxCxK, k_BxGxSxK, i, w, end)
+    _, s_BxGxQxS = _chunk_scores(qs_BxGxMxCxK, k_BxGxSxK, i, w, end)
     see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
     p = jax.nn.softmax(jnp.where(see_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
     outs.append(jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end]))
@@ -109,12 +109,12 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
 
 
 def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
-  """Scaled queries [B, G, R, C, K] (the R = H / G query heads of a kv head) and their fp32
+  """Scaled queries [B, G, M, C, K] (the M = H / G query heads of a kv head) and their fp32
   scores over k, -inf where not see_BxCxS."""
-  q_BxGxRxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
-  s_BxGxRxCxS = jnp.einsum('bgrck,bgsk->bgrcs', q_BxGxRxCxK, k_BxGxSxK,
+  q_BxGxMxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
+  s_BxGxMxCxS = jnp.einsum('bgmck,bgsk->bgmcs', q_BxGxMxCxK, k_BxGxSxK,
                            preferred_element_type=jnp.float32)
-  return q_BxGxRxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxRxCxS, -jnp.inf)
+  return q_BxGxMxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxMxCxS, -jnp.inf)
 
 
 def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
@@ -124,12 +124,12 @@ def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
   a copy); the exponentials are normalized after the value product, on [.., C, K] rather
   than [.., C, S]. Scores, max and sum in fp32. Every query must see a key.
   """
-  _, s_BxGxRxCxS = _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS)
-  e_BxGxRxCxS = jnp.exp(s_BxGxRxCxS - jnp.max(s_BxGxRxCxS, axis=-1, keepdims=True))
-  o_BxGxRxCxK = jnp.einsum('bgrcs,bgsk->bgrck', e_BxGxRxCxS.astype(v_BxGxSxK.dtype), v_BxGxSxK,
+  _, s_BxGxMxCxS = _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS)
+  e_BxGxMxCxS = jnp.exp(s_BxGxMxCxS - jnp.max(s_BxGxMxCxS, axis=-1, keepdims=True))
+  o_BxGxMxCxK = jnp.einsum('bgmcs,bgsk->bgmck', e_BxGxMxCxS.astype(v_BxGxSxK.dtype), v_BxGxSxK,
                            preferred_element_type=jnp.float32)
-  o_BxGxRxCxK = o_BxGxRxCxK / jnp.sum(e_BxGxRxCxS, axis=-1, keepdims=True)
-  return _ungroup(o_BxGxRxCxK.astype(v_BxGxSxK.dtype))
+  o_BxGxMxCxK = o_BxGxMxCxK / jnp.sum(e_BxGxMxCxS, axis=-1, keepdims=True)
+  return _ungroup(o_BxGxMxCxK.astype(v_BxGxSxK.dtype))
 
 
 def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_BxNxGxK,
@@ -141,21 +141,21 @@ def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_Bx
   of it inside a branch) and writes the fresh keys/values afterwards. One softmax over both
   key sets, fp32 scores, normalized after the value products. Every query must see a key.
   """
-  q_BxGxRxQxK, s_BxGxRxQxS = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
-  s_BxGxRxQxN = jnp.einsum('bgrqk,bngk->bgrqn', q_BxGxRxQxK, kn_BxNxGxK.astype(q_BxQxHxK.dtype),
+  q_BxGxMxQxK, s_BxGxMxQxS = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
+  s_BxGxMxQxN = jnp.einsum('bgmqk,bngk->bgmqn', q_BxGxMxQxK, kn_BxNxGxK.astype(q_BxQxHxK.dtype),
                            preferred_element_type=jnp.float32)
-  s_BxGxRxQxN = jnp.where(see_QxN, s_BxGxRxQxN, -jnp.inf)
-  m = jnp.maximum(jnp.max(s_BxGxRxQxS, axis=-1, keepdims=True),
-                  jnp.max(s_BxGxRxQxN, axis=-1, keepdims=True))
-  e_old, e_new = jnp.exp(s_BxGxRxQxS - m), jnp.exp(s_BxGxRxQxN - m)
+  s_BxGxMxQxN = jnp.where(see_QxN, s_BxGxMxQxN, -jnp.inf)
+  m = jnp.maximum(jnp.max(s_BxGxMxQxS, axis=-1, keepdims=True),
+                  jnp.max(s_BxGxMxQxN, axis=-1, keepdims=True))
+  e_old, e_new = jnp.exp(s_BxGxMxQxS - m), jnp.exp(s_BxGxMxQxN - m)
   dt = v_BxGxSxK.dtype
-  o_BxGxRxQxK = (jnp.einsum('bgrqs,bgsk->bgrqk', e_old.astype(dt), v_BxGxSxK,
+  o_BxGxMxQxK = (jnp.einsum('bgmqs,bgsk->bgmqk', e_old.astype(dt), v_BxGxSxK,
                             preferred_element_type=jnp.float32)
-                 + jnp.einsum('bgrqn,bngk->bgrqk', e_new.astype(dt), vn_BxNxGxK.astype(dt),
+                 + jnp.einsum('bgmqn,bngk->bgmqk', e_new.astype(dt), vn_BxNxGxK.astype(dt),
                               preferred_element_type=jnp.float32))
-  o_BxGxRxQxK = o_BxGxRxQxK / (jnp.sum(e_old, axis=-1, keepdims=True)
+  o_BxGxMxQxK = o_BxGxMxQxK / (jnp.sum(e_old, axis=-1, keepdims=True)
                                + jnp.sum(e_new, axis=-1, keepdims=True))
-  return _ungroup(o_BxGxRxQxK.astype(dt))
+  return _ungroup(o_BxGxMxQxK.astype(dt))
 
 
 ATTN_OUT, ATTN_LSE = 'attn_out', 'attn_lse'  # causal_attention's residuals (checkpoint names)
@@ -163,8 +163,8 @@ ROTATED_QK = 'rotated_qk'  # the model's rotated queries/keys (checkpoint name)
 
 
 def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
-  """Per query chunk: the output [B, G, R w, K], normalized after the value product, and
-  its fp32 log-sum-exp [B, G, R w, 1]."""
+  """Per query chunk: the output [B, G, M w, K], normalized after the value product, and
+  its fp32 log-sum-exp [B, G, M w, 1]."""
   w = q_BxLxHxK.shape[1] // n
   qs = _scaled_group_major(q_BxLxHxK, k_BxGxSxK.shape[1])
   rep = qs.shape[2]
@@ -183,7 +183,7 @@ def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
 
 
 def _token_major(chunks: list, rep: int) -> jax.Array:
-  """Chunk outputs [B, G, R w, K] back to [B, L, H, K]."""
+  """Chunk outputs [B, G, M w, K] back to [B, L, H, K]."""
   b, g, q, kd = chunks[0].shape
   return _ungroup(jnp.concatenate([c.reshape(b, g, rep, q // rep, kd) for c in chunks], axis=3))
 
@@ -240,7 +240,7 @@ def causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK) -> jax.Array:
   """Causal softmax attention (scores and softmax in fp32), kv-group-major, in query chunks.
 
   Same result as jax.nn.dot_product_attention(is_causal=True), faster on XLA:CPU: taller
-  batched matmuls (the R = H / G query heads of a kv head stacked, no repeated
+  batched matmuls (the M = H / G query heads of a kv head stacked, no repeated
   keys/values), and the queries of chunk i only meet the keys of chunks 0..i, which
   skips (n - 1) / 2n of the masked scores. The forward normalizes after the value
   product; the backward is flash attention's (a custom VJP): it recomputes the scores and

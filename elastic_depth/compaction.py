@@ -89,7 +89,8 @@ def compact_attention(q_BxCxHxK, k_BxGxLxK, v_BxGxLxK, qpos_BxC, kpos_BxL) -> ja
     qpos_BxC, kpos_BxL: positions of the queries and keys (increasing along L): a query
       sees the keys at positions <= its own.
   Returns:
-    o_BxCxHxK, fp32 scores, the query heads of a kv head stacked. A buffer of fewer slots
+    o_BxCxHxK in v's dtype (the scores are computed in fp32), the query heads of a kv
+    head stacked. A buffer of fewer slots
     than L multiplies every key (`attention.masked_attention`: at shape S on XLA:CPU the
     per-chunk key slices cost more than the scores they skip); a full buffer (C = L) runs
     `attention.grouped_attention`'s query chunks, chunk i of n meeting the keys before

@@ -85,7 +85,10 @@ def _cached(cache_kv, pos, keep_B=None):
 
 def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
             router=None):
-  """Runs the prompt in parallel semantics and fills a cache of max_len positions."""
+  """Runs the prompt in parallel semantics and fills a cache of max_len positions.
+
+  Returns (cache, the last position's logits_BxV, depth_BxP); router: as `decode_step`.
+  """
   res = inference.score(model, prompt_BxP, cfg, rng, router=router)
   cache = init_cache(model, prompt_BxP.shape[0], max_len)
   cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, res.prelude_kv)],
@@ -123,6 +126,9 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]
   [, traces]).
 
+  router: the state probe of policies router and kl_probe (`router.load`,
+  `kl_probe.load`).
+  with_counts: also return the step's executed `inference.Counts`.
   init_table: `initial_states(model, rng, S)`, to read the token's initial state from
   (else drawn here).
   trace: also return the check's statistics at every loop, the states included
@@ -292,6 +298,8 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              forced_BxN=None, prefill_cfg: ExitConfig | None = None, depth_BxN=None):
   """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new[, nll][, counts]).
 
+  temperature: 0 for greedy, else sampling as `pick` (keys by position).
+  router: as `decode_step`.
   forced_BxN: forced decoding: the n_new tokens are these, not picked, and nll_Bxn_new
   (each one's NLL under the logits it follows) comes after the depths.
   with_counts: also the decode steps' Counts stacked over steps, as in `score_cached`

@@ -220,7 +220,8 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     n_new: tokens to generate per row.
     cfg: exit policy (uniform, kl, gated_kl or state_delta), min/max loops, check_every, gate.
     rng: key of the initial recurrent states (and of sampling).
-    eps_B: per-row KL thresholds (default cfg.eps for every row).
+    eps_B: per-row exit thresholds, KL in nats or the relative state change by cfg.policy
+      (default cfg.eps for every row).
     prompt_len_B: per-row prompt lengths (default P).
     temperature: 0 for greedy; else sampling with decoding.generate's per-position keys.
     forced_BxN: forced decoding: row b's tokens after its prompt are forced_BxN[b] (at
@@ -292,8 +293,8 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              fuse: bool = True) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
-  Args: as `start` (forced_BxN: forced decoding, the NLL of each forced token); compact
-    and wait_rows as `run`.
+  Args: as `start` (forced_BxN: forced decoding, the NLL of each forced token); compact,
+    wait_rows and fuse as `run`.
   Returns:
     Generation (tokens, per-token depths, prompt depths, executed Counts, NLL [B, n_new]).
   """

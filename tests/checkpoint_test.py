@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +81,7 @@ def corrupt(wd, step, how):
 
 
 def equal(a, b):
+  chex.assert_trees_all_equal_structs(a, b)
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 

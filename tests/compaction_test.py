@@ -4,6 +4,7 @@ against the masked engine it must equal."""
 import dataclasses
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,8 +131,7 @@ def test_prefill_with_compacted_engine_fills_the_same_cache(setup):
   for c2, last2, d2 in caches[1:]:
     np.testing.assert_array_equal(np.asarray(d2), np.asarray(d1))
     np.testing.assert_allclose(np.asarray(last2), np.asarray(last1), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
-      np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5)
+    chex.assert_trees_all_close(c2, c1, atol=2e-5, rtol=1e-7)
 
 
 def test_scheduled_exits_follow_the_schedule(setup):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,8 +185,8 @@ def test_fused_projections_give_the_same_model_with_fewer_matmuls(model_cfg):
     dots[fuse] = [jax.jit(f).lower().as_text().count('dot_general') for f in (
         lambda: mlp(x), lambda: attn(x, pos)[0])]
   np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1])):
-    np.testing.assert_allclose(f64(a), f64(b), rtol=1e-4, atol=1e-5)  # fp32 reassociation
+  chex.assert_trees_all_close(jax.tree.map(f64, out[True][1]), jax.tree.map(f64, out[False][1]),
+                              rtol=1e-4, atol=1e-5)  # fp32 reassociation
   assert [u - f for u, f in zip(dots[False], dots[True])] == [1, 2]  # gate+up; q+k+v
 
 
@@ -202,8 +203,8 @@ def test_attention_impls_agree_on_the_model_and_its_gradient(model_cfg):
     out[impl] = jax.value_and_grad(loss)(params)
   for impl in ('auto', 'xla'):
     np.testing.assert_allclose(float(out[impl][0]), float(out['chunked'][0]), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(out[impl][1]), jax.tree.leaves(out['chunked'][1])):
-      np.testing.assert_allclose(f64(a), f64(b), rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(jax.tree.map(f64, out[impl][1]),
+                                jax.tree.map(f64, out['chunked'][1]), rtol=1e-4, atol=1e-5)
   with pytest.raises(ValueError):
     attention_lib.attention_fn('flash')
 

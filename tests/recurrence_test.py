@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +79,7 @@ def unrolled_vg(core):
 
 def assert_tree_close(a, b, tol=1e-5):
   """Leaf-wise closeness; the absolute tolerance is relative to each leaf's scale."""
+  chex.assert_trees_all_equal_structs(a, b)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
     y = np.asarray(y)
     np.testing.assert_allclose(np.asarray(x), y, rtol=tol,
@@ -86,6 +88,7 @@ def assert_tree_close(a, b, tol=1e-5):
 
 
 def max_tree_diff(a, b):
+  chex.assert_trees_all_equal_structs(a, b)
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in
              zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 

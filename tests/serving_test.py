@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,9 +210,8 @@ def test_compacted_passes_equal_all_rows_passes(setup):
   assert len(np.unique(depth)) > 2
   for name in ('tokens', 'depth', 'pos', 'loop', 'n'):
     np.testing.assert_array_equal(np.asarray(getattr(new, name)), np.asarray(getattr(old, name)))
-  for x, y in zip(jax.tree.leaves((new.logits, new.s, new.inj, new.cache)),
-                  jax.tree.leaves((old.logits, old.s, old.inj, old.cache))):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close((new.logits, new.s, new.inj, new.cache),
+                              (old.logits, old.s, old.inj, old.cache), rtol=1e-5, atol=1e-6)
   assert {1, 2, 4, 8} <= _assert_counts_replayed(depth, cfg, new.counts, paired=True)
   assert int(new.counts.readout_rows) < int(old.counts.readout_rows)
   assert int(new.counts.prelude_rows) < int(old.counts.prelude_rows)
