@@ -21,6 +21,7 @@ Fault model (see WORKSPACE.md, "Faults and bad input"):
 import dataclasses
 import errno
 import json
+import logging as std_logging
 import os
 import sys
 import time
@@ -94,9 +95,21 @@ def check_tokenizer(saved: Optional[dict], tok, where: str) -> None:
         f'{", ".join(diff)}; use the data/tokenizer flags of that run or another workdir')
 
 
+class _DropUnretrieved(std_logging.Filter):
+  """Drops asyncio's 'exception was never retrieved' reports (the futures of a failed
+  restore, which the walk has already recorded)."""
+
+  def filter(self, record):
+    return 'exception was never retrieved' not in str(record.msg)
+
+
 def _mute_closed_loop_noise() -> None:
   """Drops the 'Event loop is closed' tracebacks that tensorstore callbacks print after a
-  failed restore (orbax's event loop is gone by then); other unraisable errors still print."""
+  failed restore (orbax's event loop is gone by then) and asyncio's reports of its
+  unretrieved futures; other unraisable errors still print."""
+  aio = std_logging.getLogger('asyncio')
+  if not any(isinstance(f, _DropUnretrieved) for f in aio.filters):
+    aio.addFilter(_DropUnretrieved())
   old = sys.unraisablehook
   if getattr(old, '_elastic_depth', False):
     return
@@ -104,15 +117,25 @@ def _mute_closed_loop_noise() -> None:
   def hook(u):
     if isinstance(u.exc_value, RuntimeError) and 'Event loop is closed' in str(u.exc_value):
       return
+    if 'Encountered error while reading array' in str(u.exc_value):
+      return  # the other reads of a restore that failed: recorded by the walk
     old(u)
   hook._elastic_depth = True  # pylint: disable=protected-access
   sys.unraisablehook = hook
 
 
 def _short(e: BaseException) -> str:
-  """First part of an error message (tensorstore appends kilobytes of JSON spec)."""
+  """An error and its root cause, each cut to its first part (tensorstore appends
+  kilobytes of JSON spec; the cause says what is wrong with the file)."""
   _mute_closed_loop_noise()
-  return f'{type(e).__name__}: ' + str(e).split(' [tensorstore_spec')[0].split('\n')[0][:400]
+  def one(x):
+    msg = str(x).split(' [tensorstore_spec')[0].split(' See full TensorStore details')[0]
+    return f'{type(x).__name__}: ' + msg.split('\n')[0][:400]
+  root, seen = e, {id(e)}
+  while (root.__cause__ or root.__context__) is not None and len(seen) < 8:
+    root = root.__cause__ or root.__context__
+    seen.add(id(root))
+  return one(e) + ('' if root is e else f' (cause: {one(root)})')
 
 
 def _disk_hint(e: BaseException) -> str:
@@ -330,4 +353,8 @@ def load_state(workdir: str, abstract_state: Any, cfg: Optional[Config] = None,
   w = _walk(mngr, steps, abstract_state, cfg, None, resuming=False)
   if w.found is None:
     raise CheckpointError(f'no usable checkpoint in {path}: ' + '; '.join(w.errors)[:4000])
+  if w.errors:
+    print(f'warning: skipped unusable checkpoint(s) {w.bad} in {path} '
+          f'({"; ".join(w.errors)[:1500]}); using step {w.found[0]} (--step chooses one)',
+          file=sys.stderr, flush=True)
   return w.found[1], w.found[2]

@@ -17,6 +17,7 @@ generation", twenty-eighth session).
 """
 
 import enum
+import math
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -67,16 +68,25 @@ def parse(spec: str) -> Schedule:
     raise ValueError(f'error: the arguments of {spec!r} must be numbers') from None
   if len(args) != _ARITY[rule]:
     raise ValueError(f'error: {rule.value} takes {_ARITY[rule]} argument(s), got {spec!r}')
+  if not all(math.isfinite(a) for a in args):
+    raise ValueError(f'error: the arguments of {spec!r} must be finite numbers')
   if rule in _INTEGER:
     if any(a != int(a) for a in args):
       raise ValueError(f'error: the depths of {spec!r} must be integers')
-    args = tuple(int(a) for a in args)
-    depths = args[-1:] if rule == Rule.DIFFICULTY else args  # difficulty's C is an offset
-    if min(depths) < 1:
+    s = Schedule(rule, tuple(int(a) for a in args))
+    if min(depth_args(s)) < 1:
       raise ValueError(f'error: the depths of {spec!r} must be at least 1')
-  elif args[0] <= 0:
+    return s
+  if args[0] <= 0:
     raise ValueError(f'error: the threshold of {spec!r} must be positive')
   return Schedule(rule, args)
+
+
+def depth_args(s: Schedule) -> tuple:
+  """The loop counts a label rule names (difficulty's first argument is an offset)."""
+  if s.rule not in _INTEGER:
+    return ()
+  return s.args[-1:] if s.rule == Rule.DIFFICULTY else s.args
 
 
 def given_depths(s: Schedule, answer_BxN: np.ndarray, k_BxN: Optional[np.ndarray],

@@ -264,7 +264,11 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
     start, state = _restore(mngr, state, mesh, cfg, ds)
   else:
     start, state = 0, place_state(state, mesh, t)
-  if jax.process_index() == 0:
+  if start > t.steps:
+    raise ConfigError(f'train.steps={t.steps} is below the step {start} restored from '
+                      f'{mngr.directory}: nothing to train; raise --config.train.steps '
+                      '(config.json and summary.json are left as they were)')
+  if jax.process_index() == 0 and start < t.steps:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       json.dump(config_dict(cfg), f, indent=1)
   return _Run(cfg, workdir, mesh, mngr, ds, graphdef, state, start,
@@ -359,6 +363,16 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
   return summary, skips
 
 
+def _saved_summary(workdir: str) -> dict:
+  """The summary.json a finished run wrote ({} when there is none or it does not read)."""
+  try:
+    with open(os.path.join(workdir, 'summary.json'), encoding='utf-8') as f:
+      summary = json.load(f)
+    return {**summary, 'val_loss': {int(d): v for d, v in summary.get('val_loss', {}).items()}}
+  except (OSError, ValueError, AttributeError):
+    return {}
+
+
 def _finish(r: _Run, summary: dict, skips: int) -> dict:
   """Phase 4: the summary file."""
   summary.update(skipped=skips, last_step=int(r.state.step))
@@ -380,6 +394,11 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
   from elastic_depth import metrics  # pylint: disable=g-import-not-at-top
   with lifecycle.Preemption() as pre:
     r = _prepare(cfg, workdir, resume)
+    if r.start == cfg.train.steps:
+      r.mngr.close()
+      print(f'--resume: the checkpoint is at train.steps={r.start} already; nothing to '
+            'train (summary.json kept)', flush=True)
+      return _saved_summary(workdir)
     lifecycle.end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
     bar = metrics.progress(cfg.train.steps, r.start, unit='step', disable=quiet or None)

@@ -56,6 +56,9 @@ def check(x: CalibrateOptions, n_batches: Optional[int] = None) -> int:
     raise common.SetupError(f'--delta={x.delta} must be > 0')
   if not 0 < x.alpha < 1:
     raise common.SetupError(f'--alpha={x.alpha} must be in (0, 1)')
+  if x.risk == calibrate.Risk.ARGMAX and not x.delta < 1:
+    raise common.SetupError(f'--delta={x.delta} must be < 1 for --risk=argmax (the '
+                            'probability that the argmax changes)')
   if x.risk == calibrate.Risk.LOSS and not x.bound > x.delta:
     raise common.SetupError(f'--bound={x.bound} must exceed --delta={x.delta}')
   grid = x.eps_grid

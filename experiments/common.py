@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from absl import flags, logging
 
-from elastic_depth.config import Config, ConfigError
+from elastic_depth.config import Config, ConfigError, validate
 from experiments import flags_util
 
 def _define(kind: str, name: str, default, help_: str) -> str:
@@ -70,6 +70,9 @@ def options_from_flags() -> Options:
   """Options from the shared flags."""
   if not _F.workdir:
     raise SetupError('--workdir is required (a directory trained by experiments.pretrain)')
+  for name in ('max_depth', 'batches', 'batch_size', 'seq_len'):
+    if _F[name].value < 0:
+      raise SetupError(f'--{name}={_F[name].value} must be >= 0 (0: the default)')
   data = {k: _F[f'data_{k}'].value for k in ('source', 'paths', 'val_paths', 'tokenizer')
           if _F[f'data_{k}'].value is not None}
   for item in _F.data_set:
@@ -161,8 +164,20 @@ def load_config(workdir: str) -> Config:
   if not os.path.isfile(path):
     raise SetupError(f'no config.json in {workdir!r}: not a run directory of '
                      'experiments.pretrain (or training never started)')
-  with open(path, encoding='utf-8') as f:
-    return config_from_dict(json.load(f))
+  try:
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+  except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise SetupError(f'{path} is not readable JSON ({e}): the run config that '
+                     'experiments.pretrain writes') from None
+  if not isinstance(saved, dict):
+    raise SetupError(f'{path} holds a {type(saved).__name__}, not a run config')
+  try:
+    cfg = config_from_dict(saved)
+    validate(cfg)
+  except (ValueError, TypeError, AttributeError) as e:  # ConfigError is a ValueError
+    raise SetupError(f'{path} is not a valid run config: {e}') from None
+  return cfg
 
 
 def load_model(workdir: str, step: Optional[int] = None):

@@ -40,6 +40,8 @@ def groups_for(ld: common.Loaded, trace: analysis.Trace) -> dict:
 
 def run(opts: common.Options, x: ConvergenceOptions = ConvergenceOptions()) -> dict:
   """Loads the workdir, traces the validation batches and writes the report."""
+  if not x.eps_conv > 0 or x.eps_conv == float('inf'):
+    raise common.SetupError(f'--eps_conv={x.eps_conv} must be a finite KL threshold > 0')
   ld = common.load(opts)
   trace = analysis.trace_batches(ld.model, ld.batches, ld.r_max, jax.random.key(opts.seed),
                                  opts.progress)

@@ -112,6 +112,11 @@ def run(opts: common.Options, x: OracleOptions = OracleOptions()) -> dict:
     raise common.SetupError('the difficulty rule needs the synthetic corpus (its tokens '
                             'carry their difficulty k)')
   prefill = x.prefill_depth or int(round(ld.cfg.depth.mean))
+  deep = [s.name for s in schedules if max(oracle.depth_args(s), default=0) > ld.r_max]
+  deep += [f'--prefill_depth={prefill}'] if prefill > ld.r_max else []
+  if deep:
+    raise common.SetupError(f'depths above the loop cap {ld.r_max} (--max_depth, default the '
+                            f'training r_max): {", ".join(deep)}')
   rng = jax.random.key(opts.seed)
   points = []
   bar = metrics.progress(len(schedules), desc='schedules', unit='schedule',

@@ -6,7 +6,9 @@ Expanding flagfiles first and keeping only the last value of each --config.* fla
 restores the usual rule: the command line overrides the flagfile.
 """
 
+import math
 import sys
+from typing import Optional
 
 from absl import flags
 
@@ -65,11 +67,17 @@ def parse_or_fail(argv: list[str]) -> list[str]:
     fail(f'bad flag: {e}')
 
 
-def floats(xs, name: str, error=ValueError):
-  """A list flag's values as floats (None stays None); `error` names the bad flag."""
+def floats(xs, name: str, error=ValueError, lower: Optional[float] = None):
+  """A list flag's values as finite floats >= lower (None stays None); `error` names the
+  bad flag."""
   if xs is None:
     return None
   try:
-    return [float(x) for x in xs]
+    vals = [float(x) for x in xs]
   except ValueError as e:
     raise error(f'--{name}: {e}') from None
+  if not all(math.isfinite(v) and (lower is None or v >= lower) for v in vals):
+    raise error(f'--{name}: want finite numbers' + ('' if lower is None else f' >= {lower:g}')
+                + f', got {",".join(xs)}')
+  return vals
+

@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags, logging
 
-from experiments import common
+from experiments import common, flags_util
 
 _PROMPT = flags.DEFINE_multi_string('prompt', [], 'Prompt text (repeat for a batch).')
 _EPS = flags.DEFINE_list('eps', [], 'Exit threshold (KL in nats, or the relative state '
@@ -51,15 +51,15 @@ def _check_flags() -> list:
     _fail('--prompt is required and may not be empty')
   if _NEW.value < 1:
     _fail(f'--max_new_tokens must be >= 1, got {_NEW.value}')
-  if _MAX_LOOPS.value < 0 or _TEMP.value < 0:
-    _fail('--max_loops and --temperature must be >= 0')
+  if _MAX_LOOPS.value < 0 or not 0 <= _TEMP.value < float('inf'):
+    _fail('--max_loops and --temperature must be >= 0 (the temperature finite)')
   if _WAIT.value < 1:
     _fail(f'--wait_rows must be >= 1, got {_WAIT.value}')
   try:
-    eps = [float(e) for e in _EPS.value]
-  except ValueError:
-    _fail(f'--eps must be numbers, got {_EPS.value}')
-  if any(e < 0 for e in eps) or len(eps) not in (0, 1, len(_PROMPT.value)):
+    eps = flags_util.floats(_EPS.value, 'eps', lower=0.0)
+  except ValueError as e:
+    _fail(f'{e} (exit thresholds)')
+  if len(eps) not in (0, 1, len(_PROMPT.value)):
     _fail(f'--eps needs one value >= 0 or one per prompt ({len(_PROMPT.value)}), got {eps}')
   return eps
 

@@ -9,11 +9,13 @@ smallest depth whose loss is within --delta of its best loss. Writes
 """
 
 import json
+import math
 import os
 
 from absl import app, flags
 
 from elastic_depth import books, reports
+from experiments import flags_util
 
 WORKDIRS = flags.DEFINE_list('workdirs', None, 'Run directories with eval_depth reports.')
 TAG = flags.DEFINE_string('tag', '', 'Report tag (e.g. fineweb).')
@@ -30,15 +32,22 @@ def saturation_depth(depths, losses, delta: float) -> int:
 def main(argv):
   del argv
   if not WORKDIRS.value:
-    raise SystemExit('error: --workdirs is required')
+    flags_util.fail('--workdirs is required')
+  if not (math.isfinite(DELTA.value) and DELTA.value >= 0):
+    flags_util.fail(f'--delta={DELTA.value} must be a finite number >= 0')
   name = f'eval_depth_{TAG.value}' if TAG.value else 'eval_depth'
   runs = {}
   for wd in WORKDIRS.value:
     path = os.path.join(wd, 'reports', f'{name}.json')
     if not os.path.exists(path):
-      raise SystemExit(f'error: no {path}: run python -m experiments.eval_depth --workdir={wd}')
-    with open(path, encoding='utf-8') as f:
-      r = json.load(f)['results']
+      flags_util.fail(f'no {path}: run python -m experiments.eval_depth --workdir={wd}')
+    try:
+      with open(path, encoding='utf-8') as f:
+        r = json.load(f)['results']
+      r = {k: r[k] for k in ('depths', 'loss', 'train_mean')}
+    except (ValueError, KeyError, TypeError) as e:
+      flags_util.fail(f'{path} is not an eval_depth report ({type(e).__name__}: {e}); rerun '
+                      f'python -m experiments.eval_depth --workdir={wd}')
     runs[wd] = dict(depths=r['depths'], loss=r['loss'], train_mean=r['train_mean'],
                     saturation=saturation_depth(r['depths'], r['loss'], DELTA.value))
   md = ('| run | training mean depth | saturation depth (within '

@@ -18,6 +18,7 @@ Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 
 import dataclasses
 import json
+import math
 import os
 from typing import Optional
 
@@ -96,11 +97,14 @@ STATE_DELTA_GRID = flags.DEFINE_list('state_delta_grid', None, 'Relative state-c
 
 
 def _floats(xs, name):
-  return flags_util.floats(xs, name, common.SetupError)
+  return flags_util.floats(xs, name, common.SetupError, lower=0.0)
 
 
 def options_from_flags() -> SweepOptions:
   """SweepOptions from this experiment's flags."""
+  if not (math.isfinite(DELTA.value) and DELTA.value >= 0) or TIMING_REPEATS.value < 0:
+    raise common.SetupError(f'--delta={DELTA.value} must be a finite number >= 0 and '
+                            f'--timing_repeats={TIMING_REPEATS.value} >= 0')
   return SweepOptions(eps_grid=_floats(EPS_GRID.value, 'eps_grid'), delta=DELTA.value,
                       curves=tuple(CURVES.value), router=ROUTER.value,
                       kl_probe=KL_PROBE.value,
@@ -161,8 +165,12 @@ def _calibrated(opts: common.Options) -> dict:
                       + '.json')
   if not os.path.exists(path):
     return {}
-  with open(path, encoding='utf-8') as f:
-    eps = json.load(f)['results']['eps']
+  try:
+    with open(path, encoding='utf-8') as f:
+      eps = json.load(f)['results']['eps']
+  except (ValueError, KeyError, TypeError) as e:
+    raise common.SetupError(f'{path} is not a calibrate_eps report ({type(e).__name__}: {e}); '
+                            'rerun calibrate_eps or pass --nocalibrated') from None
   return {} if eps is None else {'calibrated': frontier.Curve('kl', [eps])}
 
 

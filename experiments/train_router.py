@@ -25,6 +25,7 @@ import dataclasses
 import os
 
 import jax
+import numpy as np
 from absl import app, flags
 
 from elastic_depth import data as data_lib, kl_probe, reports, router
@@ -107,6 +108,9 @@ def _reliability(fig, res) -> None:
 def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   """Harvests labels, fits the probe, evaluates it on held-out text and saves it."""
   first, n_fit = x.fit_from, x.fit_batches
+  if x.steps < 1 or x.max_pairs < 1 or not 0 < x.lr < float('inf'):
+    raise common.SetupError(f'--router_steps={x.steps} and --max_pairs={x.max_pairs} must be '
+                            f'>= 1 and --router_lr={x.lr} a finite number > 0')
   if first < 1 or n_fit < 1:
     raise common.SetupError(f'--fit_from={first} and --fit_batches={n_fit} must be >= 1 '
                             '(batches before --fit_from are the held-out ones)')
@@ -141,6 +145,7 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.labels_N))}
   res['fit'] = fit
   path = os.path.join(opts.workdir, 'router.json')
+  _refuse_non_finite(probe, path)
   router.save(probe, path, fit)
   h = res['heldout']
   md = ('| split | pairs | base rate (changes later) | accuracy | balanced acc. | ECE |\n'
@@ -155,6 +160,13 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
         f" base rate {h['base_rate']:.3f}, ECE {h['ece']:.3f}); saved {path}; "
         f"report {paths['md']}")
   return {'results': res, 'paths': paths, 'router': path}
+
+
+def _refuse_non_finite(probe, path: str) -> None:
+  """SetupError, before `path` is written, when the fit diverged."""
+  if not all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(probe)):
+    raise common.SetupError(f'the fit diverged (non-finite parameters); {path} is left as it '
+                            'was: lower --router_lr or raise --max_pairs')
 
 
 def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
@@ -174,6 +186,7 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
          'semantics': sem}
   name = kl_probe.file_name(sem)
   path = os.path.join(opts.workdir, f'{name}.json')
+  _refuse_non_finite(probe, path)
   kl_probe.save(probe, path, fit)
   md = ('| split | pairs | RMSE of log KL | Spearman(probe, KL) | Spearman(state change, KL) '
         '| censored MSE |\n| --- | ---: | ---: | ---: | ---: | ---: |\n' +
@@ -198,5 +211,5 @@ if __name__ == '__main__':
       fit_batches=FIT_BATCHES.value, fit_split=FIT_SPLIT.value, probe=PROBE.value,
       rank=RANK.value, hidden=HIDDEN.value, loops=LOOPS.value, semantics=SEMANTICS.value,
       fit_seed=FIT_SEED.value, objective=OBJECTIVE.value,
-      exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError)
-                     or ()))))
+      exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError,
+                                       lower=0.0) or ()))))

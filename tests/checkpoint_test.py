@@ -129,11 +129,13 @@ def test_corrupt_latest_falls_back_to_the_previous_and_moves_it_aside(workdir, h
   assert checkpoint.restore_latest(mngr, make_state(0))[0] == 2
 
 
-def test_load_state_skips_a_garbled_latest_without_moving_it(workdir):
+def test_load_state_skips_a_garbled_latest_without_moving_it(workdir, capsys):
   corrupt(workdir, 2, 'garble')
   state, _ = checkpoint.load_state(workdir, make_state(0), config_lib.Config(model=MODEL))
   assert equal(state, make_state(1))
   assert os.path.isdir(step_dir(workdir, 2))
+  err = capsys.readouterr().err  # evaluation says which step it fell back to, and why
+  assert 'skipped unusable checkpoint(s) [2]' in err and 'using step 1' in err, err
   with pytest.raises(checkpoint.CheckpointError, match='checksum'):
     checkpoint.load_state(workdir, make_state(0), step=2)
 
@@ -142,8 +144,9 @@ def test_no_usable_checkpoint_is_an_error_naming_each(workdir):
   corrupt(workdir, 2, 'truncate')
   corrupt(workdir, 1, 'garble')
   with pytest.raises(checkpoint.CheckpointError,
-                     match=r'no usable checkpoint in .*step 2: .*step 1: .*checksum'):
+                     match=r'no usable checkpoint in .*step 2: .*step 1: .*checksum') as e:
     checkpoint.restore_latest(checkpoint.manager(workdir), make_state(0))
+  assert 'TensorStore(' not in str(e.value) and 'See full TensorStore' not in str(e.value)
 
 
 def test_other_model_config_or_tokenizer_is_an_error_not_a_fall_back(workdir):
@@ -206,3 +209,23 @@ def test_a_failed_asynchronous_save_surfaces_in_wait(workdir, monkeypatch):
 def test_existing_manager_creates_nothing(tmp_path):
   assert checkpoint.existing_manager(str(tmp_path / 'fresh')) is None
   assert not (tmp_path / 'fresh').exists()
+
+
+def test_short_error_keeps_the_first_line_and_the_root_cause():
+  """An orbax read error: its message without tensorstore's spec dump, plus the cause
+  that names the truncated file."""
+  cause = ValueError('OUT_OF_RANGE: Error reading "params.w/0.0": Requested byte range '
+                     '[10, 20) is not valid for value of size 15')
+  try:
+    try:
+      raise cause
+    except ValueError as c:
+      raise Exception('Encountered error while reading array index: (slice(0, 4, 1),). See '
+                      "full TensorStore details: <bound method spec of TensorStore({\n"
+                      "  'base': {'driver': 'zarr'}})>.") from c
+  except Exception as e:  # pylint: disable=broad-except
+    msg = checkpoint._short(e)  # pylint: disable=protected-access
+  assert msg == ('Exception: Encountered error while reading array index: (slice(0, 4, 1),).'
+                 ' (cause: ValueError: OUT_OF_RANGE: Error reading "params.w/0.0": Requested '
+                 'byte range [10, 20) is not valid for value of size 15)')
+  assert checkpoint._short(ValueError('x\ny')) == 'ValueError: x'  # pylint: disable=protected-access

@@ -214,5 +214,9 @@ def test_errors(tmp_path, monkeypatch):
     prepare(text_cfg(corpus), tmp_path / 'busy')
   with pytest.raises(DataError, match='--resume: .* holds no index.json'):
     prepare(text_cfg(corpus), tmp_path / 'fresh', resume=True)
-  with pytest.raises(DataError, match='no val document among 3'):
+  with pytest.raises(DataError, match='no val document among 3.*new --out'):
     prepare(text_cfg(corpus, max_docs=3), tmp_path / 'few')
+  (tmp_path / 'a_file').write_text('keep me')
+  with pytest.raises(DataError, match='is a file'):
+    prepare(text_cfg(corpus), tmp_path / 'a_file')
+  assert (tmp_path / 'a_file').read_text() == 'keep me'

@@ -425,3 +425,49 @@ def test_depth_oracle_reports_rules_beside_uniform_depth(workdir):
                      (dict(prefill_depth=-1), 'prefill_depth must be >= 0')]:
     with pytest.raises(common.SetupError, match=words):
       depth_oracle.run(_opts(workdir), dataclasses.replace(x, **bad))
+
+
+@pytest.mark.parametrize('text, words', [
+    ('{"model": {"d_model": 8', 'not readable JSON'),
+    (b'\xa8\xff\x00', 'not readable JSON'),
+    ('', 'not readable JSON'),
+    ('[1, 2]', 'holds a list'),
+    ('{"model": null}', 'not a valid run config'),
+    ('{"model": {"init_state": "bogus"}}', "'bogus' is not a valid InitState"),
+    ('{"model": {"d_model": -5}}', 'model.d_model=-5 must be an integer >= 1'),
+])
+def test_a_bad_config_json_is_named_before_the_checkpoint_is_read(tmp_path, text, words):
+  (tmp_path / 'config.json').write_bytes(text if isinstance(text, bytes) else text.encode())
+  with pytest.raises(common.SetupError, match=words):
+    common.load(_opts(str(tmp_path)))
+
+
+def test_bad_numbers_are_refused_before_any_work(workdir, tmp_path):
+  """NaN, infinities and out-of-range settings: a SetupError before the workdir is read
+  (a missing one here), or, for what needs the model's loop cap, right after loading."""
+  missing = _opts(str(tmp_path / 'no_such_workdir'))
+  with pytest.raises(common.SetupError, match='--eps_conv=nan must be a finite'):
+    convergence.run(missing, convergence.ConvergenceOptions(eps_conv=float('nan')))
+  for kw in (dict(lr=float('nan')), dict(steps=0), dict(max_pairs=-1)):
+    with pytest.raises(common.SetupError, match='router_steps=.* and --max_pairs'):
+      train_router.run(missing, train_router.RouterOptions(**kw))
+  with pytest.raises(common.SetupError, match='< 1 for --risk=argmax'):
+    calibrate_eps.check(calibrate_eps.CalibrateOptions(risk=calibrate.Risk.ARGMAX, delta=5.0))
+  for xs in (['nan'], ['1e-3', 'inf'], ['-1']):
+    with pytest.raises(common.SetupError, match='--eps_grid: want finite numbers >= 0'):
+      sweep_eps._floats(xs, 'eps_grid')
+  with pytest.raises(common.SetupError, match='--eps_growth: want finite'):
+    sweep_eps._growths(['nan'])
+  with pytest.raises(common.SetupError, match=r'loop cap 4 .*uniform:9, --prefill_depth=7'):
+    depth_oracle.run(_opts(workdir), depth_oracle.OracleOptions(
+        schedules=('uniform:2', 'uniform:9'), prompt_len=4, new_tokens=4, prefill_depth=7))
+
+
+def test_a_diverged_probe_fit_leaves_the_saved_probe_alone(tmp_path):
+  path = tmp_path / 'kl_probe.json'
+  path.write_text('{"good": 1}')
+  probe = router_lib.Router(w_D=np.array([1.0, np.nan]), b=np.array(0.0), mu_D=np.zeros(2),
+                           sd_D=np.ones(2))
+  with pytest.raises(common.SetupError, match='diverged .* left as it was'):
+    train_router._refuse_non_finite(probe, str(path))  # pylint: disable=protected-access
+  assert path.read_text() == '{"good": 1}'

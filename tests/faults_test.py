@@ -258,3 +258,22 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoi
   _, abstract = train.init_state(cfg)
   state, _ = checkpoint.load_state(wd, abstract, cfg)
   assert int(state.step) == 10
+
+
+def test_resume_past_train_steps_is_refused_and_at_them_keeps_the_summary(reference, tmp_path):
+  """--resume with train.steps below the checkpoint: an error before any file is written;
+  at the checkpoint's step: nothing to train, config.json and summary.json unchanged."""
+  wd = str(tmp_path / 'run')
+  shutil.copytree(reference, wd)
+  files = {n: open(os.path.join(wd, n), 'rb').read() for n in ('config.json', 'summary.json')}
+  assert 'val_loss' in json.loads(files['summary.json'])
+  out = run(wd, '--resume', f'--config.train.steps={STEPS - 5}')
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert f'train.steps={STEPS - 5} is below the step {STEPS}' in out.stderr, out.stderr
+  out = run(wd, '--resume')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f'at train.steps={STEPS} already; nothing to train' in out.stdout, out.stdout
+  assert 'validation loss: depth 1 = ' in out.stdout  # the kept summary's losses
+  for name, before in files.items():
+    assert open(os.path.join(wd, name), 'rb').read() == before, name
+  assert steps_on_disk(wd) == [20, 30, 40]

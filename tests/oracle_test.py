@@ -168,7 +168,8 @@ def test_parse_names_the_problem():
                      ('uniform:2.5', 'integers'), ('kl:x', 'numbers'), ('uniform', 'takes 1'),
                      ('uniform:0', 'at least 1'), ('split:3,0', 'at least 1'),
                      ('difficulty:0,0', 'at least 1'), ('lookahead:0', 'positive'),
-                     ('state_delta:-1', 'positive')]:
+                     ('state_delta:-1', 'positive'), ('uniform:inf', 'finite'),
+                     ('kl:nan', 'finite'), ('lookahead:inf', 'finite')]:
     with pytest.raises(ValueError, match=words):
       oracle.parse(bad)
   with pytest.raises(ValueError, match='difficulty'):

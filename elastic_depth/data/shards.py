@@ -262,6 +262,8 @@ def open_output(cfg, out, vocab_size: int, shard_tokens: int, tokenizer_docs: in
   and shard size match; `resume` requires such an index.
   """
   out = pathlib.Path(out)
+  if out.exists() and not out.is_dir():
+    raise DataError(f'--out={out} is a file; give a new or empty directory')
   if shard_tokens < 2:
     raise DataError(f'--shard_tokens={shard_tokens} must be >= 2')
   if not 0 < cfg.val_fraction < 1:
@@ -345,7 +347,8 @@ def prepare(cfg, out, *, vocab_size: int, shard_tokens: int = 2**27, batch_docs:
   for s in SPLITS:
     if writer.counts[s] == 0:
       raise DataError(f'{index["origin"]}: no {s} document among {writer.next_doc}; '
-                      + ('use more data' if s == 'train' else 'raise data.val_fraction'))
+                      + ('use more data' if s == 'train' else 'raise data.val_fraction')
+                      + f', then prepare into a new --out ({out} records these settings)')
   writer.flush(final=True)
   writer.commit(complete=True)
   return index
