@@ -119,7 +119,7 @@ def options_from_flags() -> SweepOptions:
 
 
 def _growths(xs) -> tuple[float, ...]:
-  gs = _floats(xs, 'eps_growth') or [1.0]
+  gs = flags_util.floats(xs, 'eps_growth', common.SetupError) or [1.0]
   if any(g <= 0 for g in gs):
     raise common.SetupError(f'--eps_growth: want positive numbers, got {xs}')
   return tuple(gs)
