@@ -78,7 +78,12 @@ def fixed_sequence(risks_GxN: np.ndarray, delta: float, alpha: float,
      the p-values computed, in order, up to and including the first failure).
   """
   fn = P_VALUES[PValue(pvalue)]
+  if not (0 < alpha < 1 and 0 < bound < np.inf and 0 < delta < bound):
+    raise ValueError(f'want 0 < alpha={alpha} < 1 and 0 < delta={delta} < bound={bound}')
   r = np.asarray(risks_GxN, np.float64) / bound
+  if r.ndim != 2 or r.shape[1] == 0 or not np.all((r >= 0) & (r <= 1)):
+    raise ValueError(f'risks must be [G, N] with N >= 1 units, each in [0, bound={bound}] '
+                     f'(got shape {r.shape}; NaN or out-of-range values are refused)')
   n = r.shape[1]
   chosen, ps = None, []
   for j in range(r.shape[0]):
@@ -171,6 +176,9 @@ def calibrate(cal: dict, cal_mask: np.ndarray, test: dict, test_mask: np.ndarray
   grid = [float(e) for e in eps_grid]
   if grid != sorted(grid):
     raise ValueError(f'eps grid {grid} must be increasing (most conservative first)')
+  if len(grid) != np.shape(cal['nll'])[0]:
+    raise ValueError(f'eps grid of {len(grid)} thresholds, but the scores hold '
+                     f"{np.shape(cal['nll'])[0]}: score_grid must run on the same grid")
   b = bound if Risk(risk) == Risk.LOSS else 1.0
   units = unit_risks(cal['nll'], cal['argmax'], cal['ref_nll'], cal['ref_argmax'], cal_mask,
                      risk, b)

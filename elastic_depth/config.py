@@ -315,18 +315,16 @@ def _check_field(name: str, value, like, allowed: Range) -> None:
     raise ConfigError(f'{name}={value!r} must be {kind} {allowed}')
 
 
-def _check_ranges(cfg: Config) -> None:
-  """Every numeric field against RANGES, in declaration order."""
-  for section, fields in RANGES.items():
-    sub = getattr(cfg, section)
-    default = type(sub)()
-    for f, allowed in fields.items():
-      _check_field(f'{section}.{f}', getattr(sub, f), getattr(default, f), allowed)
+def _check_section(section: str, sub) -> None:
+  """One section's numeric fields against RANGES."""
+  default = type(sub)()
+  for f, allowed in RANGES[section].items():
+    _check_field(f'{section}.{f}', getattr(sub, f), getattr(default, f), allowed)
 
 
-def _check_relations(cfg: Config) -> None:
-  """Constraints between fields (their ranges already hold)."""
-  m, d, t, e = cfg.model, cfg.depth, cfg.train, cfg.exit
+def validate_model(m: ModelConfig) -> None:
+  """Raises ConfigError naming the first bad model setting (`build_model` runs it)."""
+  _check_section('model', m)
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} is not a multiple of '
                       f'model.num_kv_heads={m.num_kv_heads}')
@@ -335,6 +333,35 @@ def _check_relations(cfg: Config) -> None:
   for name in ('qk_bias', 'norm_before_coda'):
     if not isinstance(getattr(m, name), bool):
       raise ConfigError(f'model.{name}={getattr(m, name)!r} must be true or false')
+  if m.dtype not in ('float32', 'bfloat16', 'float16'):
+    raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
+
+
+def check_exit(e: ExitConfig) -> None:
+  """ConfigError for an exit config the engines cannot honour; fields given as arrays
+  (traced thresholds) are skipped. eps < 0 is allowed: a threshold no check reaches."""
+  for f in ('depth', 'min_loops', 'max_loops', 'check_every', 'compact_steps', 'patience'):
+    v = getattr(e, f)
+    if isinstance(v, (int, float)) and not v >= 1:
+      raise ConfigError(f'exit.{f}={v!r} must be an integer >= 1')
+  for f in ('eps', 'gate', 'eps_growth'):
+    v = getattr(e, f)
+    if isinstance(v, (int, float)) and not math.isfinite(v):
+      raise ConfigError(f'exit.{f}={v!r} must be a finite number')
+  if isinstance(e.eps_growth, (int, float)) and e.eps_growth <= 0:
+    raise ConfigError(f'exit.eps_growth={e.eps_growth} must be > 0')
+
+
+def _check_ranges(cfg: Config) -> None:
+  """Every numeric field against RANGES, in declaration order."""
+  for section in RANGES:
+    _check_section(section, getattr(cfg, section))
+
+
+def _check_relations(cfg: Config) -> None:
+  """Constraints between fields (their ranges already hold)."""
+  m, d, t, e = cfg.model, cfg.depth, cfg.train, cfg.exit
+  validate_model(m)
   b = tuple(d.buckets)
   if list(b) != sorted(set(b)):
     raise ConfigError(f'depth.buckets={b} must be strictly increasing')
@@ -360,10 +387,8 @@ def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first inconsistent setting."""
   _check_ranges(cfg)
   _check_relations(cfg)
-  m, t = cfg.model, cfg.train
+  t = cfg.train
   _check_enums(cfg)
-  if m.dtype not in ('float32', 'bfloat16', 'float16'):
-    raise ConfigError(f'model.dtype={m.dtype!r} not in float32/bfloat16/float16')
   if cfg.data.loss_on not in ('all', 'answers'):
     raise ConfigError(f'data.loss_on={cfg.data.loss_on!r} not in all/answers')
   if t.fsdp_axis not in ('D', 'F', 'V', 'H', 'K'):

@@ -15,8 +15,8 @@ from jax import lax
 
 from elastic_depth import inference, losses, policies, recurrence
 from elastic_depth.attention import grouped_attention
-from elastic_depth.config import ExitConfig, ExitPolicy
-from elastic_depth.model import LoopedLM, keep_kv
+from elastic_depth.config import ExitConfig, ExitPolicy, check_exit
+from elastic_depth.model import LoopedLM, check_tokens, keep_kv
 
 
 class Cache(NamedTuple):
@@ -89,6 +89,9 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
 
   Returns (cache, the last position's logits_BxV, depth_BxP); router: as `decode_step`.
   """
+  if prompt_BxP.shape[-1] > max_len:
+    raise ValueError(f'a cache of max_len={max_len} positions cannot hold the '
+                     f'{prompt_BxP.shape[-1]}-token prompt')
   res = inference.score(model, prompt_BxP, cfg, rng, router=router)
   cache = init_cache(model, prompt_BxP.shape[0], max_len)
   cache = Cache([_write(c, kv, 0) for c, kv in zip(cache.prelude, res.prelude_kv)],
@@ -141,6 +144,10 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
   relative state change is below cfg.gate (policy gated_kl), and the logits of a
   successful check are the token's output, so the final readout costs nothing extra.
   """
+  check_exit(cfg)
+  if isinstance(pos, int) and not 0 <= pos < cache.core[0][0].shape[2]:
+    raise ValueError(f'pos={pos} lies outside the cache of {cache.core[0][0].shape[2]} '
+                     'positions')
   tok = token_B[:, None]
   pos_Bx1 = jnp.full(tok.shape, pos, jnp.int32)
   e, pre_kv = model.encode(tok, pos_Bx1, [_cached(kv, pos) for kv in cache.prelude])
@@ -256,6 +263,8 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
   steps' Counts stacked over tokens (batch passes [T], per-token arrays [B, T]).
   """
   l = tokens_BxL.shape[1]
+  if not 1 <= prompt_len < l:
+    raise ValueError(f'prompt_len={prompt_len} must be in [1, {l}) (the sequence length)')
   cache, last, pdepth = prefill(model, tokens_BxL[:, :prompt_len], cfg, rng, l, router)
   init = initial_states(model, rng, l)
 
@@ -286,7 +295,9 @@ def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
   Returns:
     int32 [B] tokens.
   """
-  if temperature <= 0:
+  if not 0 <= temperature < float('inf'):
+    raise ValueError(f'temperature={temperature} must be a finite number >= 0 (0: greedy)')
+  if temperature == 0:
     return losses.argmax_rows(logits_BxV)
   keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
   gumbel_BxV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BxV.shape[1:]))(keys)
@@ -308,7 +319,14 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   uniform decode.
   depth_BxN: given depths of the n_new decode steps (`decode_step`'s depth_B).
   """
+  check_tokens(model.cfg, prompt_BxP, 'prompt', extra=n_new)
   b, p = prompt_BxP.shape
+  if not isinstance(n_new, int) or n_new < 0:
+    raise ValueError(f'n_new={n_new!r} must be an integer >= 0')
+  for name, x in (('forced_BxN', forced_BxN), ('depth_BxN', depth_BxN)):
+    if x is not None and tuple(jnp.shape(x)) != (b, n_new):
+      raise ValueError(f'{name} must have shape ({b}, {n_new}) (rows, n_new), got '
+                       f'{jnp.shape(x)}')
   total = p + n_new
   cache, logits, _ = prefill(model, prompt_BxP, prefill_cfg or cfg, rng, total, router)
   init = initial_states(model, rng, total)

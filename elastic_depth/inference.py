@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from elastic_depth import compaction, policies, recurrence
-from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy
+from elastic_depth import model as model_lib
+from elastic_depth.config import ExitConfig, ExitEngine, ExitPolicy, check_exit
 from elastic_depth.model import LoopedLM, keep_kv
 
 
@@ -87,7 +88,12 @@ def score(model: LoopedLM, tokens_BxL: jax.Array, cfg: ExitConfig, rng: jax.Arra
       (e.g. the exit decision taken on answer tokens only).
   Returns:
     ScoreResult with logits_BxLxV computed by the coda on the final states.
+  Raises:
+    ValueError (ConfigError) for tokens out of shape, length or vocabulary, or an exit
+    config the engines cannot honour.
   """
+  model_lib.check_tokens(model.cfg, tokens_BxL)
+  check_exit(cfg)
   engine = _ENGINES[ExitEngine(cfg.engine)]
   out = model.forward(tokens_BxL, rng, engine(cfg, router=router, targets_BxL=targets_BxL,
                                               trace=trace, exit_mask_BxL=exit_mask_BxL))

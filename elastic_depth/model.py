@@ -21,13 +21,14 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from elastic_depth import recurrence
 from elastic_depth.attention import (ATTN_LSE, ATTN_OUT, ROTATED_QK, Rotary, apply_rope,
                                      attention_chunks, attention_fn, rope_tables)
 from elastic_depth.config import (AttentionImpl, AttentionIn, DepthConfig, InitState, ModelConfig,
-                                  RematPolicy)
+                                  RematPolicy, validate_model)
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Any]]  # mask: array/None/fn
 
@@ -336,7 +337,8 @@ def dynamic(n: jax.Array) -> LoopFn:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> LoopedLM:
-  """Instantiates the LM with fp32 parameters."""
+  """Instantiates the LM with fp32 parameters (ConfigError for a bad config)."""
+  validate_model(cfg)
   return LoopedLM(cfg, nnx.Rngs(seed))
 
 
@@ -350,6 +352,25 @@ def bind(graphdef, params) -> LoopedLM:
   """Rebuilds the module from a pure parameter dict (inside or outside jit)."""
   state = nnx.State(jax.tree.map(lambda x: nnx.Param(x), params))
   return nnx.merge(graphdef, state)
+
+
+def check_tokens(cfg: ModelConfig, tokens_BxL, what: str = 'tokens', extra: int = 0) -> None:
+  """ValueError unless tokens are [B, L] integer ids with L + extra <= cfg.max_len and, when
+  their values are known here (not traced), every id in [0, vocab_size): an id out of
+  range would gather a NaN embedding or wrap around, silently."""
+  shape = jnp.shape(tokens_BxL)
+  if len(shape) != 2 or not jnp.issubdtype(jnp.result_type(tokens_BxL), jnp.integer):
+    raise ValueError(f'{what} must be [B, L] integer token ids, got shape {shape} of '
+                     f'{jnp.result_type(tokens_BxL)}')
+  if shape[1] + extra > cfg.max_len:
+    raise ValueError(f'{what}: {shape[1]} positions' + (f' + {extra} new' if extra else '')
+                     + f' exceed model.max_len={cfg.max_len}')
+  if not isinstance(tokens_BxL, jax.core.Tracer) and 0 not in shape:
+    ids = np.asarray(tokens_BxL)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+      raise ValueError(f'{what}: ids must lie in [0, {cfg.vocab_size}) (model.vocab_size), '
+                       f'got {lo}..{hi}')
 
 
 def positions(tokens_BxL) -> jax.Array:

@@ -48,10 +48,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from elastic_depth import compaction, decoding, inference, losses, policies, serving_rows
-from elastic_depth.config import ExitConfig, ExitPolicy
+from elastic_depth import model as model_lib
+from elastic_depth.config import ExitConfig, ExitPolicy, check_exit
 from elastic_depth.model import LoopedLM, keep_kv
 from elastic_depth.serving_rows import Pick, State
 
@@ -199,14 +201,33 @@ def _step(model: LoopedLM, cfg: ExitConfig, eps_B, flush, caps, core_caps,
                      counts=counts, wait=st.wait | done, unread=st.unread | (done & ~ran))
 
 
-def _check_args(cfg: ExitConfig, batch: int, n_new: int, eps_B) -> None:
+def _concrete(x) -> bool:
+  return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def _check_args(model: LoopedLM, cfg: ExitConfig, prompt_BxP, n_new: int, eps_B,
+                prompt_len_B, forced_BxN) -> None:
+  """ValueError for arguments `start` cannot honour (values only where not traced)."""
   if ExitPolicy(cfg.policy) not in _POLICIES:
     raise ValueError(f'error: serving supports policies {[p.value for p in _POLICIES]}, '
                      f'not {cfg.policy!r}')
   if n_new < 1:
     raise ValueError(f'error: n_new must be >= 1, got {n_new}')
-  if eps_B is not None and tuple(jnp.shape(eps_B)) != (batch,):
-    raise ValueError(f'error: eps_B must have shape ({batch},), got {jnp.shape(eps_B)}')
+  check_exit(cfg)
+  model_lib.check_tokens(model.cfg, prompt_BxP, 'prompt', extra=n_new)
+  b, p = prompt_BxP.shape
+  for name, x, want in (('eps_B', eps_B, (b,)), ('prompt_len_B', prompt_len_B, (b,)),
+                        ('forced_BxN', forced_BxN, (b, n_new))):
+    if x is not None and tuple(jnp.shape(x)) != want:
+      raise ValueError(f'error: {name} must have shape {want}, got {jnp.shape(x)}')
+  if prompt_len_B is not None and not jnp.issubdtype(jnp.result_type(prompt_len_B),
+                                                      jnp.integer):
+    raise ValueError('error: prompt_len_B must hold integer lengths')
+  if _concrete(prompt_len_B) and not np.all((np.asarray(prompt_len_B) >= 1)
+                                            & (np.asarray(prompt_len_B) <= p)):
+    raise ValueError(f'error: prompt_len_B must lie in [1, {p}], got {np.asarray(prompt_len_B)}')
+  if _concrete(eps_B) and not np.all(np.isfinite(np.asarray(eps_B, np.float64))):
+    raise ValueError(f'error: eps_B must be finite, got {np.asarray(eps_B)}')
 
 
 def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
@@ -230,8 +251,8 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     (State with each row's first token admitted, prompt depths [B, P], eps_B); `run`
     advances the State.
   """
+  _check_args(model, cfg, prompt_BxP, n_new, eps_B, prompt_len_B, forced_BxN)
   b, p = prompt_BxP.shape
-  _check_args(cfg, b, n_new, eps_B)
   eps_B = jnp.full((b,), cfg.eps, jnp.float32) if eps_B is None else jnp.asarray(eps_B)
   plen_B = jnp.full((b,), p, jnp.int32) if prompt_len_B is None else jnp.asarray(prompt_len_B)
   pcfg = dataclasses.replace(cfg, eps=eps_B[:, None])  # policies compare kl < eps per row

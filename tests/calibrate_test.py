@@ -72,6 +72,15 @@ def test_fixed_sequence_stops_at_the_first_failure():
   # risks in [0, bound] are tested on the same scale as delta
   j, _ = calibrate.fixed_sequence(np.full((1, 200), 0.2), delta=1.0, alpha=0.1, bound=4.0)
   assert j == 0
+  # what certified the most aggressive threshold, or crashed deep inside, before
+  for kw, words in [(dict(alpha=float('nan')), 'alpha=nan'), (dict(alpha=1.0), 'alpha=1.0'),
+                    (dict(delta=1.5), 'delta=1.5 < bound=1.0'),
+                    (dict(risks_GxN=np.full((2, 3), 2.0)), r'each in \[0, bound'),
+                    (dict(risks_GxN=np.full((2, 0), 0.0)), 'N >= 1 units'),
+                    (dict(risks_GxN=np.array([[0.0, np.nan]])), 'NaN')]:
+    args = dict(risks_GxN=risks, delta=0.1, alpha=0.1) | kw
+    with pytest.raises(ValueError, match=words):
+      calibrate.fixed_sequence(**args)
 
 
 def test_unit_risks_by_brute_force():

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from elastic_depth import config as config_lib
@@ -153,3 +154,15 @@ def test_pretrain_exits_2_with_one_line(flag, needle, tmp_path):
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
   assert not (tmp_path / 'run' / 'checkpoints').exists()
+
+
+def test_check_exit_refuses_what_the_engines_cannot_honour():
+  E = config_lib.ExitConfig
+  config_lib.check_exit(E(eps=-1.0))  # below every statistic: the benchmarks' scheduled exits
+  config_lib.check_exit(E(eps=np.array([0.1, 0.2])))  # per-row thresholds are not scalars
+  for kw, words in [(dict(eps=float('nan')), 'exit.eps=nan'), (dict(max_loops=0), 'max_loops'),
+                    (dict(check_every=0), 'check_every'), (dict(depth=0), 'exit.depth'),
+                    (dict(eps_growth=0.0), 'eps_growth'),
+                    (dict(gate=float('inf')), 'exit.gate=inf')]:
+    with pytest.raises(config_lib.ConfigError, match=words):
+      config_lib.check_exit(E(**kw))

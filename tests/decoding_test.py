@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, nll_np, safe_eps
@@ -262,3 +263,33 @@ def test_forcing_the_greedy_tokens_reproduces_greedy_generation():
   np.testing.assert_array_equal(np.asarray(d2), np.asarray(depth))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(toks))
   assert np.all(np.isfinite(np.asarray(nll))) and np.all(np.asarray(nll) >= 0)
+
+
+def test_generation_arguments_are_checked_before_any_work():
+  """Silent wrong answers before: NaN temperature (every token 0), short forced or depth
+  rows (the last column reused), a position past the cache (the write clamped), a cache
+  shorter than the prompt, a prompt_len past the sequence."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
+  rng, p = jax.random.key(0), jnp.array([[1, 2, 3], [4, 5, 6]])
+  cfg = config.ExitConfig(eps=1e-2, max_loops=3)
+  for kw, words in [(dict(temperature=float('nan')), 'temperature=nan'),
+                    (dict(temperature=-1.0), 'temperature=-1'),
+                    (dict(forced_BxN=jnp.ones((2, 2), jnp.int32)), r'forced_BxN .*\(2, 3\)'),
+                    (dict(depth_BxN=jnp.ones((2, 4), jnp.int32)), r'depth_BxN .*\(2, 3\)')]:
+    with pytest.raises(ValueError, match=words):
+      decoding.generate(mdl, p, 3, cfg, rng, **kw)
+  with pytest.raises(ValueError, match='ids must lie in'):
+    decoding.generate(mdl, p.at[0, 1].set(48), 3, cfg, rng)
+  with pytest.raises(ValueError, match='exceed model.max_len=64'):
+    decoding.generate(mdl, p, 62, cfg, rng)
+  with pytest.raises(ValueError, match='n_new=-1'):
+    decoding.generate(mdl, p, -1, cfg, rng)
+  with pytest.raises(ValueError, match='cannot hold the 3-token prompt'):
+    decoding.prefill(mdl, p, cfg, rng, 2)
+  with pytest.raises(ValueError, match=r'prompt_len=3 must be in \[1, 3\)'):
+    decoding.score_cached(mdl, p, 3, cfg, rng)
+  cache = decoding.init_cache(mdl, 2, 8)
+  with pytest.raises(ValueError, match='pos=8 lies outside the cache of 8'):
+    decoding.decode_step(mdl, cache, p[:, 0], 8, cfg, rng)
+  with pytest.raises(config.ConfigError, match='max_loops=0'):
+    decoding.decode_step(mdl, cache, p[:, 0], 0, config.ExitConfig(max_loops=0), rng)

@@ -230,3 +230,15 @@ def test_parallel_scoring_batched_equals_per_row_and_prefix_equals_whole(setup):
   s1 = mdl.initial_state(e[::-1], rng, pos)
   np.testing.assert_array_equal(np.asarray(s0), np.asarray(s1[::-1]))
   assert not np.allclose(np.asarray(s0[:, 0]), np.asarray(s0[:, 1]))  # positions differ
+
+
+def test_score_refuses_ids_out_of_the_vocabulary_and_a_nan_eps():
+  """An id >= V made every logit of its row NaN (and no token exited): named instead."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
+  toks = jnp.array([[1, 2, 48, 4]])
+  with pytest.raises(ValueError,
+                     match=r'ids must lie in \[0, 48\) \(model.vocab_size\), got 1\.\.48'):
+    inference.score(mdl, toks, config.ExitConfig(max_loops=3), jax.random.key(0))
+  with pytest.raises(config.ConfigError, match='exit.eps=nan'):
+    inference.score(mdl, toks.at[0, 2].set(3), config.ExitConfig(eps=float('nan')),
+                    jax.random.key(0))

@@ -418,3 +418,28 @@ def test_causal_keys_is_what_the_compiled_attention_multiplies(l):
     assert model_lib.causal_keys(l) > l / 2  # the chunks multiply some masked scores
   full = _xla_flops(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, kv, kv)
   assert l <= full / per_key <= 1.05 * l  # the frozen-kv hook's attention: all L keys
+
+
+def test_bad_tokens_and_model_configs_are_named_not_computed():
+  """Out-of-range ids would gather NaN embeddings (or wrap around) silently: refused where
+  their values are known; shapes, dtypes and lengths always; build_model validates."""
+  cfg = config_lib.ModelConfig(vocab_size=32, d_model=32, num_heads=2, num_kv_heads=1,
+                               head_dim=16, mlp_dim=64, n_prelude=1, n_core=1, n_coda=1,
+                               max_len=16)
+  model_lib.check_tokens(cfg, np.array([[0, 31, 5]]))  # in range: no error
+  for toks, words in [(np.array([[1, 32]]), r'\[0, 32\).*got 1\.\.32'),
+                      (np.array([[-1, 3]]), r'got -1\.\.3'),
+                      (np.zeros((2, 17), np.int32), '17 positions exceed model.max_len=16'),
+                      (np.array([1, 2]), r'\[B, L\] integer'),
+                      (np.array([[1.0, 2.0]]), r'\[B, L\] integer')]:
+    with pytest.raises(ValueError, match=words):
+      model_lib.check_tokens(cfg, toks)
+  with pytest.raises(ValueError, match=r'10 positions \+ 7 new exceed'):
+    model_lib.check_tokens(cfg, np.zeros((1, 10), np.int32), extra=7)
+  # traced ids: values unknown, so only the static checks run
+  jax.jit(lambda t: model_lib.check_tokens(cfg, t) or t)(jnp.array([[99]]))
+  for bad, words in [(dict(num_heads=3, num_kv_heads=2), 'not a multiple'),
+                     (dict(head_dim=15), 'even for RoPE'), (dict(dtype='float64x'), 'dtype'),
+                     (dict(n_core=0), 'n_core=0'), (dict(init_std=float('nan')), 'init_std')]:
+    with pytest.raises(config_lib.ConfigError, match=words):
+      model_lib.build_model(dataclasses.replace(cfg, **bad))

@@ -323,3 +323,21 @@ def test_forced_rows_equal_their_own_forced_decoding(setup, policy):
       np.testing.assert_array_equal(depth[b], np.asarray(d[0]))
       np.testing.assert_allclose(np.asarray(out.nll[b]), np.asarray(nll[0]), rtol=1e-5,
                                  atol=1e-5)
+
+
+def test_start_names_bad_rows_before_any_work():
+  """prompt_len_B outside [1, P] picked garbage tokens; a short forced_BxN emitted
+  -2**31; a NaN eps never exited: each is refused before the prefill."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
+  rng, p = jax.random.key(0), jnp.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+  cfg = config.ExitConfig(eps=1e-2, max_loops=3)
+  for kw, words in [(dict(prompt_len_B=jnp.array([0, 4])), r'prompt_len_B must lie in \[1, 4\]'),
+                    (dict(prompt_len_B=jnp.array([5, 4])), r'prompt_len_B must lie in'),
+                    (dict(prompt_len_B=jnp.array([2.0, 4.0])), 'integer lengths'),
+                    (dict(prompt_len_B=jnp.array([2, 4, 4])), r'prompt_len_B must have shape'),
+                    (dict(forced_BxN=jnp.ones((2, 2), jnp.int32)), r'forced_BxN .*\(2, 3\)'),
+                    (dict(eps_B=jnp.array([0.1, jnp.nan])), 'eps_B must be finite')]:
+    with pytest.raises(ValueError, match=words):
+      serving.generate(mdl, p, 3, cfg, rng, **kw)
+  with pytest.raises(ValueError, match='ids must lie in'):
+    serving.generate(mdl, p.at[1, 0].set(-3), 3, cfg, rng)
