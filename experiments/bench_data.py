@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import bench_util
+from experiments import bench_util, flags_util
 from elastic_depth import config as config_lib, model as model_lib
 from elastic_depth.config import DataConfig
 from elastic_depth.data import pipeline, shards, sources, tokenizer as tokenizer_lib
@@ -172,4 +172,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

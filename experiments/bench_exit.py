@@ -47,7 +47,7 @@ from flax import nnx
 
 from elastic_depth import analysis, books, config, frontier, inference, recurrence, timing
 from elastic_depth import model as model_lib
-from experiments import bench_util
+from experiments import bench_util, flags_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
 _WORKDIR = flags.DEFINE_string('workdir', '', 'A trained run directory (instead of shapes).')
@@ -308,4 +308,5 @@ def main(argv):
 
 if __name__ == '__main__':
   from experiments import common  # pylint: disable=g-import-not-at-top
-  app.run(common.one_line_errors(main))  # after this module's flags: common skips --workdir
+  app.run(common.one_line_errors(main),  # after this module's flags: common skips --workdir
+          flags_parser=flags_util.parse_or_fail)

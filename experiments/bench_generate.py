@@ -30,7 +30,7 @@ from absl import app, flags
 from flax import nnx
 
 from elastic_depth import config, decoding, inference, losses, model as model_lib
-from experiments import bench_generate_batch, bench_util, common
+from experiments import bench_generate_batch, bench_util, common, flags_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Shapes to run (bench_util.MODEL_SHAPES).')
 _NEW = flags.DEFINE_integer('new_tokens', 32, 'Tokens generated per timed call.')
@@ -132,4 +132,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(common.one_line_errors(main))
+  app.run(common.one_line_errors(main), flags_parser=flags_util.parse_or_fail)

@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 from safetensors.numpy import save_file
 
-from experiments import bench_util
+from experiments import bench_util, flags_util
 from elastic_depth import huginn
 
 _D = flags.DEFINE_integer('d_model', 1024, 'n_embd of the random source.')
@@ -80,4 +80,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

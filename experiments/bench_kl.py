@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import flags_util
 from experiments.bench_util import time_fn
 from elastic_depth.kernels import kl_halting as klh
 
@@ -237,4 +238,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

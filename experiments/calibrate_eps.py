@@ -139,4 +139,4 @@ def options_from_flags() -> CalibrateOptions:
 
 
 if __name__ == '__main__':
-  app.run(common.main(run, options_from_flags))
+  app.run(common.main(run, options_from_flags), flags_parser=flags_util.parse_or_fail)

@@ -15,7 +15,7 @@ import numpy as np
 from absl import app, flags
 
 from elastic_depth import analysis, data as data_lib, reports
-from experiments import common
+from experiments import common, flags_util
 
 
 
@@ -59,4 +59,5 @@ def run(opts: common.Options, x: ConvergenceOptions = ConvergenceOptions()) -> d
 
 
 if __name__ == '__main__':
-  app.run(common.main(run, lambda: ConvergenceOptions(eps_conv=EPS_CONV.value)))
+  app.run(common.main(run, lambda: ConvergenceOptions(eps_conv=EPS_CONV.value)),
+          flags_parser=flags_util.parse_or_fail)

@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from elastic_depth import metrics, oracle, reports
-from experiments import common
+from experiments import common, flags_util
 
 _DEFAULT = ('uniform:1', 'uniform:2', 'uniform:3', 'uniform:4', 'uniform:8', 'split:3,1',
             'split:3,2', 'split:4,2', 'difficulty:1,2', 'lookahead:0.01', 'lookahead:0.001',
@@ -140,4 +140,5 @@ def run(opts: common.Options, x: OracleOptions = OracleOptions()) -> dict:
 if __name__ == '__main__':
   app.run(common.main(run, lambda: OracleOptions(
       schedules=tuple(SCHEDULES.value), prompt_len=PROMPT_LEN.value,
-      new_tokens=NEW_TOKENS.value, prefill_depth=PREFILL_DEPTH.value)))
+      new_tokens=NEW_TOKENS.value, prefill_depth=PREFILL_DEPTH.value)),
+          flags_parser=flags_util.parse_or_fail)

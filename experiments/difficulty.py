@@ -13,7 +13,7 @@ import jax
 from absl import app
 
 from elastic_depth import difficulty, reports
-from experiments import common
+from experiments import common, flags_util
 
 
 def run(opts: common.Options) -> dict:
@@ -34,4 +34,4 @@ def run(opts: common.Options) -> dict:
 
 
 if __name__ == '__main__':
-  app.run(common.main(run))
+  app.run(common.main(run), flags_parser=flags_util.parse_or_fail)

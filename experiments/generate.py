@@ -143,4 +143,4 @@ def _stream(step, st, tok, plen, n: int) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

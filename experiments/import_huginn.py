@@ -24,6 +24,7 @@ from absl import app, flags
 
 from elastic_depth import checkpoint, huginn, snapshot
 from elastic_depth.config import ConfigError
+from experiments import flags_util
 
 SRC = flags.DEFINE_string('src', None, 'Snapshot folder, .safetensors file or hub name.')
 WORKDIR = flags.DEFINE_string('workdir', None, 'New folder for the imported run.')
@@ -62,4 +63,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

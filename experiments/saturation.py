@@ -77,4 +77,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_util.parse_or_fail)

@@ -246,4 +246,4 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
 
 
 if __name__ == '__main__':
-  app.run(common.main(run, options_from_flags))
+  app.run(common.main(run, options_from_flags), flags_parser=flags_util.parse_or_fail)

@@ -212,4 +212,5 @@ if __name__ == '__main__':
       rank=RANK.value, hidden=HIDDEN.value, loops=LOOPS.value, semantics=SEMANTICS.value,
       fit_seed=FIT_SEED.value, objective=OBJECTIVE.value,
       exit_eps=tuple(flags_util.floats(EXIT_EPS.value, 'probe_exit_eps', common.SetupError,
-                                       lower=0.0) or ()))))
+                                       lower=0.0) or ()))),
+          flags_parser=flags_util.parse_or_fail)

@@ -100,6 +100,12 @@ def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
                         f'--workdir={tmp_path / "nope"}'], cwd=REPO, capture_output=True,
                        text=True, timeout=120, check=False)
   assert out.returncode == 2 and 'error:' in out.stderr and 'Traceback' not in out.stderr
+  # a flag of the wrong type: absl's parse error as one line, exit 2 (was FATAL..., exit 1)
+  out = subprocess.run([sys.executable, '-m', 'experiments.convergence', f'--workdir={workdir}',
+                        '--step=abc'], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       check=False)
+  assert out.returncode == 2 and out.stderr.startswith('error: flag --step=abc'), out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_data_overrides_keep_the_model_tokenizer(workdir, tmp_path):
