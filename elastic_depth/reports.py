@@ -59,6 +59,20 @@ def write(workdir: str, name: str, results: dict, *, flags: dict, checkpoint: di
   return paths
 
 
+def read_results(path: str, keys: tuple = ()) -> dict:
+  """The `results` of a report JSON that `write` made, holding `keys`; ValueError naming
+  the file when it is cut off or another kind of report."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      results = json.load(f)['results']
+    missing = [k for k in keys if k not in results]
+  except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+    raise ValueError(f'{path} is not a readable report ({type(e).__name__}: {e})') from None
+  if missing:
+    raise ValueError(f'{path} is a report without {missing}')
+  return results
+
+
 def table(header: list[str], rows: list[list[Any]]) -> str:
   """A markdown table; floats with 4 significant decimals."""
   fmt = lambda v: ('-' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v))

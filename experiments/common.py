@@ -19,11 +19,11 @@ from absl import flags, logging
 from elastic_depth.config import Config, ConfigError, validate
 from experiments import flags_util
 
-def _define(kind: str, name: str, default, help_: str) -> str:
+def _define(kind: str, name: str, default, help_: str, **bounds) -> str:
   """Defines a shared flag unless a module imported in the same process already did
   (experiments.pretrain defines --workdir and --quiet); returns its name."""
   if name not in flags.FLAGS:
-    getattr(flags, f'DEFINE_{kind}')(name, default, help_)
+    getattr(flags, f'DEFINE_{kind}')(name, default, help_, **bounds)
   return name
 
 
@@ -31,10 +31,12 @@ _F = flags.FLAGS
 _define('string', 'workdir', None, 'Trained run directory (from experiments.pretrain).')
 _define('integer', 'step', None, 'Checkpoint step (default: the latest).')
 _define('integer', 'max_depth', 0, 'Largest depth R evaluated (0: the training depth.r_max, '
-        'at most 32); may exceed r_max to extrapolate.')
-_define('integer', 'batches', 8, 'Validation batches (0: all).')
-_define('integer', 'batch_size', 0, 'Sequences per batch (0: the training batch size).')
-_define('integer', 'seq_len', 0, 'Tokens per sequence (0: the training seq_len).')
+        'at most 32); may exceed r_max to extrapolate.', lower_bound=0)
+_define('integer', 'batches', 8, 'Validation batches (0: all).', lower_bound=0)
+_define('integer', 'batch_size', 0, 'Sequences per batch (0: the training batch size).',
+        lower_bound=0)
+_define('integer', 'seq_len', 0, 'Tokens per sequence (0: the training seq_len).',
+        lower_bound=0)
 _define('integer', 'seed', 0, 'Seed of the initial recurrent states.')
 _define('string', 'tag', '', 'Suffix of the report names (e.g. the corpus).')
 _define('bool', 'quiet', False, 'No progress bars.')
@@ -70,9 +72,6 @@ def options_from_flags() -> Options:
   """Options from the shared flags."""
   if not _F.workdir:
     raise SetupError('--workdir is required (a directory trained by experiments.pretrain)')
-  for name in ('max_depth', 'batches', 'batch_size', 'seq_len'):
-    if _F[name].value < 0:
-      raise SetupError(f'--{name}={_F[name].value} must be >= 0 (0: the default)')
   data = {k: _F[f'data_{k}'].value for k in ('source', 'paths', 'val_paths', 'tokenizer')
           if _F[f'data_{k}'].value is not None}
   for item in _F.data_set:

@@ -80,4 +80,3 @@ def floats(xs, name: str, error=ValueError, lower: Optional[float] = None):
     raise error(f'--{name}: want finite numbers' + ('' if lower is None else f' >= {lower:g}')
                 + f', got {",".join(xs)}')
   return vals
-

@@ -8,7 +8,6 @@ smallest depth whose loss is within --delta of its best loss. Writes
 <out>/reports/saturation.{json,md,png}.
 """
 
-import json
 import math
 import os
 
@@ -42,12 +41,9 @@ def main(argv):
     if not os.path.exists(path):
       flags_util.fail(f'no {path}: run python -m experiments.eval_depth --workdir={wd}')
     try:
-      with open(path, encoding='utf-8') as f:
-        r = json.load(f)['results']
-      r = {k: r[k] for k in ('depths', 'loss', 'train_mean')}
-    except (ValueError, KeyError, TypeError) as e:
-      flags_util.fail(f'{path} is not an eval_depth report ({type(e).__name__}: {e}); rerun '
-                      f'python -m experiments.eval_depth --workdir={wd}')
+      r = reports.read_results(path, ('depths', 'loss', 'train_mean'))
+    except ValueError as e:
+      flags_util.fail(f'{e}; rerun python -m experiments.eval_depth --workdir={wd}')
     runs[wd] = dict(depths=r['depths'], loss=r['loss'], train_mean=r['train_mean'],
                     saturation=saturation_depth(r['depths'], r['loss'], DELTA.value))
   md = ('| run | training mean depth | saturation depth (within '

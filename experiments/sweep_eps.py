@@ -17,7 +17,6 @@ Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
 
 import dataclasses
-import json
 import math
 import os
 from typing import Optional
@@ -166,11 +165,9 @@ def _calibrated(opts: common.Options) -> dict:
   if not os.path.exists(path):
     return {}
   try:
-    with open(path, encoding='utf-8') as f:
-      eps = json.load(f)['results']['eps']
-  except (ValueError, KeyError, TypeError) as e:
-    raise common.SetupError(f'{path} is not a calibrate_eps report ({type(e).__name__}: {e}); '
-                            'rerun calibrate_eps or pass --nocalibrated') from None
+    eps = reports.read_results(path, ('eps',))['eps']
+  except ValueError as e:
+    raise common.SetupError(f'{e}; rerun calibrate_eps or pass --nocalibrated') from None
   return {} if eps is None else {'calibrated': frontier.Curve('kl', [eps])}
 
 

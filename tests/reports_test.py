@@ -48,3 +48,18 @@ def test_write_without_a_plot_writes_no_png(tmp_path):
 def test_table_formats_cells(value, cell):
   out = reports.table(['name', 'value'], [['row', value]])
   assert out.splitlines() == ['| name | value |', '|---|---|', f'| row | {cell} |']
+
+
+def test_read_results_returns_what_write_wrote_and_names_a_bad_file(tmp_path):
+  paths = reports.write(str(tmp_path), 'r', {'eps': 0.1, 'loss': [1.0, float('nan')]},
+                        flags={}, checkpoint={}, markdown='')
+  assert reports.read_results(paths['json'], ('eps',)) == {'eps': 0.1, 'loss': [1.0, None]}
+  with pytest.raises(ValueError, match=r"is a report without \['depths'\]"):
+    reports.read_results(paths['json'], ('eps', 'depths'))
+  cut = tmp_path / 'cut.json'
+  cut.write_text(open(paths['json'], encoding='utf-8').read()[:20])
+  with pytest.raises(ValueError, match='cut.json is not a readable report .JSONDecodeError'):
+    reports.read_results(str(cut))
+  (tmp_path / 'other.json').write_text('[1, 2]')
+  with pytest.raises(ValueError, match='other.json is not a readable report .TypeError'):
+    reports.read_results(str(tmp_path / 'other.json'))
