@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -10,12 +11,17 @@ from typing import Optional
 import tqdm
 from tensorboardX import SummaryWriter
 
-# Dense bf16 peak FLOP/s by device kind (vendor data sheets; substring of device_kind).
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets). A kind matches the first
+# pattern found in it as whole words (case-insensitive), most specific first: 'L4' is not
+# 'L40S', and an H100 PCIe is not an H100 SXM.
 PEAK_BF16_FLOPS = (
-    ('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('RTX 4090', 165e12),
-    ('L4', 121e12), ('TPU v5 lite', 197e12), ('TPU v5e', 197e12), ('TPU v5p', 459e12),
-    ('TPU v4', 275e12), ('TPU v6', 918e12),
+    (r'H200', 989e12), (r'H100 PCIe', 756e12), (r'H100', 989e12), (r'A100', 312e12),
+    (r'RTX 4090', 165e12), (r'L40S', 362e12), (r'L40', 181e12), (r'L4', 121e12),
+    (r'TPU v5 lite', 197e12), (r'TPU v5e', 197e12), (r'TPU v5p?', 459e12),
+    (r'TPU v4', 275e12), (r'TPU v6( lite|e)?', 918e12),
 )
+_PEAK_PATTERNS = tuple((re.compile(rf'(?<![A-Za-z0-9]){p}(?![A-Za-z0-9])', re.IGNORECASE), f)
+                       for p, f in PEAK_BF16_FLOPS)
 
 
 def measure_matmul_peak(n: int = 2048, dtype: str = 'float32', repeats: int = 5) -> float:
@@ -37,10 +43,7 @@ def peak_flops(configured: float = 0.0, device_kind: Optional[str] = None) -> fl
   if device_kind is None:
     import jax  # pylint: disable=g-import-not-at-top
     device_kind = jax.devices()[0].device_kind
-  for name, flops in PEAK_BF16_FLOPS:
-    if name.lower() in device_kind.lower():
-      return flops
-  return 0.0
+  return next((flops for pat, flops in _PEAK_PATTERNS if pat.search(device_kind)), 0.0)
 
 
 class MetricWriter:

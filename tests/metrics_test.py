@@ -1,9 +1,10 @@
-"""Progress output: a bar on a terminal, plain lines with counts, rate and ETA in a log."""
+"""Progress output (a bar, or plain lines with counts, rate and ETA) and the device peaks of MFU."""
 
 import io
 import json
 import os
 
+import pytest
 import tqdm
 
 from elastic_depth import metrics
@@ -62,3 +63,20 @@ def test_metric_writer_keeps_jsonl_strict_with_non_finite_values(tmp_path):
   text = open(os.path.join(tmp_path, 'metrics.jsonl'), encoding='utf-8').read()
   (rec,) = [json.loads(l, parse_constant=lambda c: 1 / 0) for l in text.splitlines()]
   assert rec == {'step': 3, 'train/loss': 1.5, 'train/bad': 'nan'}
+
+
+@pytest.mark.parametrize('kind,peak', [
+    # device_kind strings as jax reports them, against the data sheets' dense bf16 peaks
+    ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H200', 989e12),
+    ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA A100 80GB PCIe', 312e12),
+    ('NVIDIA GeForce RTX 4090', 165e12), ('NVIDIA L4', 121e12), ('NVIDIA L40S', 362e12),
+    ('NVIDIA L40', 181e12), ('TPU v4', 275e12), ('TPU v5 lite', 197e12), ('TPU v5p', 459e12),
+    ('TPU v6 lite', 918e12), ('cpu', 0.0), ('NVIDIA A10G', 0.0), ('NVIDIA H1000', 0.0),
+])
+def test_peak_flops_matches_whole_device_names(kind, peak):
+  """'L4' is not an L40S, an H100 PCIe is not an SXM part, and an unknown kind gives 0."""
+  assert metrics.peak_flops(device_kind=kind) == peak
+
+
+def test_configured_peak_wins_over_the_device_kind():
+  assert metrics.peak_flops(123.0, device_kind='NVIDIA H100 80GB HBM3') == 123.0
