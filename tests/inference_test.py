@@ -10,6 +10,7 @@ from flax import nnx
 
 from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, safe_eps
 from elastic_depth import config, inference, losses, model as model_lib
+from elastic_depth.kernels import kl_halting
 
 B, L, R = 2, 10, 10
 
@@ -25,7 +26,8 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patienc
                    growth=1.0):
   """Parallel semantics with plain Python loops over loops, blocks and tokens.
 
-  stat 'kl' exits where KL(p_i || p_{i-1}) < eps; 'delta' where the relative state change
+  stat 'kl' exits where KL(p_i || p_{i-1}) < eps; 'rkl' where KL(p_{i-1} || p_i) < eps;
+  'delta' where the relative state change
   (float64) has been below eps at `patience` consecutive loops from loop 2; at loop i the
   threshold is eps * growth^(i - 2). Returns the logits, depths and the per-loop
   statistic of the active tokens.
@@ -67,9 +69,9 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patienc
     depth += active
     h = mdl.decode_state(s, pos)[0]
     eps_i = eps * growth ** max(i - 2, 0)
-    if stat == 'kl':
-      kl = kl_np(h.reshape(b * l, -1), h_prev.reshape(b * l, -1),
-                  mdl.head_weight()).reshape(b, l)
+    if stat in ('kl', 'rkl'):
+      pair = (h, h_prev) if stat == 'kl' else (h_prev, h)
+      kl = kl_np(*(x.reshape(b * l, -1) for x in pair), mdl.head_weight()).reshape(b, l)
       fire = kl < eps_i
     else:
       a, o = np.asarray(s, np.float64), np.asarray(s_old, np.float64)
@@ -93,6 +95,65 @@ def test_parallel_exit_matches_brute_force(setup):
   assert len(np.unique(ref_depth)) > 2, ref_depth  # the test exercises varied depths
   cfg = config.ExitConfig(policy='kl', eps=eps, min_loops=1, max_loops=R)
   out = jax.jit(lambda t: inference.score(mdl, t, cfg, rng))(toks)
+  np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def _direction_eps(mdl, toks, rng, tries=4):
+  """An eps between KL(p_i || p_{i-1}) and KL(p_{i-1} || p_i) of some token of a full-depth
+  run, as far (in log space) as can be from every reverse KL, at which the two directions
+  exit some token at different loops; with the brute-force run and the statistics."""
+  rkl = brute_parallel(mdl, toks, -1.0, 1, R, rng, stat='rkl')[2]
+  kl = brute_parallel(mdl, toks, -1.0, 1, R, rng, stat='kl')[2]
+  a, b = np.concatenate([x.ravel() for x in rkl[1:]]), np.concatenate([x.ravel() for x in kl[1:]])
+  cands = np.sqrt(a * b)  # between the two directions of each token and loop
+  margin = np.min(np.abs(np.log(cands)[:, None] - np.log(a)[None]), axis=1)
+  for j in np.argsort(margin)[::-1][:tries]:
+    ref = brute_parallel(mdl, toks, float(cands[j]), 1, R, rng, 'rkl')
+    if np.any(ref[1] != brute_parallel(mdl, toks, float(cands[j]), 1, R, rng, 'kl')[1]):
+      return float(cands[j]), ref, rkl
+  raise AssertionError('no eps separates the two KL directions on this model')
+
+
+@pytest.fixture(scope='module')
+def direction(setup):
+  return _direction_eps(*setup, jax.random.key(7))
+
+
+def test_reverse_kl_statistic_is_the_reverse_direction(setup, direction):
+  """The trace's rkl is KL(p_{i-1} || p_i) in float64, not the forward KL."""
+  mdl, toks = setup
+  rkl = direction[2]
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R),
+                       jax.random.key(7), trace=True).traces
+  np.testing.assert_allclose(np.asarray(tr['rkl']), np.stack(rkl), rtol=1e-4, atol=1e-6)
+  fwd = np.stack(brute_parallel(mdl, toks, -1.0, 1, R, jax.random.key(7))[2])
+  assert np.max(np.abs(fwd - np.stack(rkl)) / np.stack(rkl)) > 1e-2  # directions differ
+
+
+@pytest.mark.parametrize('engine', ['masked', 'compacted', 'pooled'])
+def test_reverse_kl_matches_brute_force(setup, direction, engine):
+  """reverse_kl's depths and logits, at an eps where the two directions exit differently."""
+  mdl, toks = setup
+  eps, (ref_logits, ref_depth, _), _ = direction
+  assert len(np.unique(ref_depth)) > 1, ref_depth
+  cfg = config.ExitConfig(policy='reverse_kl', eps=eps, max_loops=R, engine=engine,
+                          compact_steps=2)
+  out = jax.jit(lambda t: inference.score(mdl, t, cfg, jax.random.key(7)))(toks)
+  np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_reverse_kl_kernel_branch_matches_brute_force(setup, direction, monkeypatch):
+  """The fused-kernel branch (the kernel's reference standing in for it on CPU) reads the
+  reverse direction too."""
+  mdl, toks = setup
+  eps, (ref_logits, ref_depth, _), _ = direction
+  monkeypatch.setattr(kl_halting, 'kernel_active', lambda use: use)
+  monkeypatch.setattr(kl_halting, 'kl_halting_auto',
+                      lambda h, hp, w, use_kernel=True: kl_halting.reference_kl_halting(h, hp, w))
+  cfg = config.ExitConfig(policy='reverse_kl', eps=eps, max_loops=R, use_kernel=True)
+  out = inference.score(mdl, toks, cfg, jax.random.key(7))
   np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
   np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
 
