@@ -81,24 +81,25 @@ def _schedule(shape, frac: float, depth: int, seed: int = 0):
   return jnp.asarray(np.minimum(r, depth), jnp.int32)
 
 
-def _books(mcfg, l: int, n: int, depth: int, counts: dict) -> dict:
-  """Executed forward FLOPs of each variant from its engine's own counts.
-
-  books.executed_flops of the batch passes (compacted: buffer slots / tokens, padding
-  slots included) x tokens, the core's attention at the keys each engine multiplies
-  (`Counts.core_keys`; A0's scan: `model.causal_keys`); A0 runs `depth` loops and one
-  readout. 'a1_compact_active' is the work of active tokens only (per-token counts),
-  without the buffer padding.
-  """
-  total = lambda c: n * float(books.executed_flops(mcfg, c.core_passes, c.coda_passes,
-                                                      c.head_passes, l, c.core_keys))
-  out = {'a0': n * float(books.executed_flops(mcfg, depth, 1, 1, l,
-                                              model_lib.causal_keys(l)))}
-  out.update({k: total(c) for k, c in counts.items()})
+def _passes(depth: int, counts: dict) -> dict:
+  """Core loops, coda readouts and head products per token position each variant executed:
+  A0's `depth` loops and one readout; the engines' batch passes (compacted: buffer slots /
+  tokens, padding included); 'a1_compact_active' the active tokens' own (their means)."""
+  out = {'a0': dict(core=float(depth), coda=1.0, head=1.0)}
+  out.update({k: dict(core=float(c.core_passes), coda=float(c.coda_passes),
+                      head=float(c.head_passes)) for k, c in counts.items()})
   c = counts['a1_compact']  # (the pooled engine's active tokens do the same work)
-  out['a1_compact_active'] = float(np.sum(books.executed_flops(
-      mcfg, np.asarray(c.depth), np.asarray(c.coda), np.asarray(c.head), l, c.core_keys)))
+  out['a1_compact_active'] = {k: float(np.mean(np.asarray(x))) for k, x in
+                              (('core', c.depth), ('coda', c.coda), ('head', c.head))}
   return out
+
+
+def _books(mcfg, l: int, n: int, passes: dict, keys: dict) -> dict:
+  """Executed forward FLOPs of each variant: books.executed_flops of its passes x tokens,
+  the core's attention at the keys per query it multiplied (`Counts.core_keys`; A0's
+  scan: `model.causal_keys`)."""
+  return {k: n * float(books.executed_flops(mcfg, p['core'], p['coda'], p['head'], l, keys[k]))
+          for k, p in passes.items()}
 
 
 def _variants(mdl, depth: int, ecfg, sched):
@@ -151,16 +152,19 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   aux = {k: outs[k].aux for k in ('a1_masked', 'a1_compact', 'a1_pooled')}
   for k, a in aux.items():
     assert np.array_equal(np.asarray(a.depth), np.asarray(aux['a1_masked'].depth)), k
-  flops = _books(mdl.cfg, l, n, depth, {k: jax.device_get(a.counts) for k, a in aux.items()})
+  passes = _passes(depth, {k: jax.device_get(a.counts) for k, a in aux.items()})
+  keys = {'a0': model_lib.causal_keys(l),  # per core query, as executed
+          **{k: float(a.counts.core_keys) for k, a in aux.items()}}
+  keys['a1_compact_active'] = keys['a1_compact']
+  flops = _books(mdl.cfg, l, n, passes, keys)
   mean_loops = float(np.mean(np.asarray(aux['a1_compact'].depth)))
   ratios = {f'{prefix}vs_{base}': _ratio(times, flops, v, base)
             for prefix, v in (('', 'a1_compact'), ('pooled_', 'a1_pooled'))
             for base in ('a0', 'a1_masked')}
-  keys = {'a0': model_lib.causal_keys(l),  # per core query, as executed
-          **{k: float(a.counts.core_keys) for k, a in aux.items()}}
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
-                  tokens_per_s=n / med[k], core_keys=keys[k], first_call_s=first_s[k],
-                  executed_gflop=flops[k] / 1e9, **bench_util.usage_fields(timed.usage[k]))
+                  tokens_per_s=n / med[k], core_keys=keys[k], passes=passes[k],
+                  first_call_s=first_s[k], executed_gflop=flops[k] / 1e9,
+                  **bench_util.usage_fields(timed.usage[k]))
           for k in fns}
   print(f'{name}: load {statistics.median(loads):.1f}  mean loops {mean_loops:.2f}'
         f' of {depth}', flush=True)
@@ -175,7 +179,8 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   return dict(model=dataclasses.asdict(mdl.cfg), batch=b, seq_len=l, tokens=n, depth=depth,
               policy=_POLICY.value,
               fake_exit_fraction=fake, eps=ecfg.eps, variants=rows,
-              active_gflop=flops['a1_compact_active'] / 1e9, mean_loops=mean_loops, ratios=ratios,
+              active_gflop=flops['a1_compact_active'] / 1e9,
+              active_passes=passes['a1_compact_active'], mean_loops=mean_loops, ratios=ratios,
               loadavg_per_repeat=loads, compact_steps=_STEPS.value, settle=_SETTLE.value,
               warmup_rounds=_WARMUP.value,
               capacities=recurrence.capacities(l, _STEPS.value))

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from elastic_depth import model as model_lib
+from elastic_depth import books, config as config_lib, model as model_lib
 from experiments import bench_util
 from experiments import host_setup
 
@@ -244,12 +244,25 @@ def test_bench_exit_books_come_from_the_engines_counts(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())['runs']['nano']
   v = r['variants']
-  # A0 at depth 4 runs every token 4 loops; the masked engine runs at least the deepest
-  # token's loops for all; the compacted one at most that, its active share at most its slots
-  assert v['a0']['executed_gflop'] > 0
-  assert v['a1_compact']['executed_gflop'] <= v['a1_masked']['executed_gflop']
+  # A0 at depth 4 runs every token 4 loops and one readout; the masked engine runs the
+  # deepest token's loops for all; the compacted one at most that; the active tokens' own
+  # loops are the mean exit depth
+  assert v['a0']['passes'] == dict(core=4, coda=1, head=1)
+  deepest = v['a1_masked']['passes']['core']
+  assert deepest == int(deepest) and r['mean_loops'] <= deepest <= 4
+  assert r['mean_loops'] < deepest  # ragged exits, so the engines' books differ
+  assert v['a1_compact']['passes']['core'] <= deepest
+  assert r['active_passes']['core'] == pytest.approx(r['mean_loops'])
+  # every variant's GFLOP are its passes x the FLOPs of each part (books.executed_flops,
+  # checked against XLA's compiled cost in books_test) x the tokens
+  mcfg = config_lib.ModelConfig(**r['model'])
+  gflop = lambda p, keys: r['tokens'] * float(books.executed_flops(
+      mcfg, p['core'], p['coda'], p['head'], 16, keys)) / 1e9
+  for k, x in v.items():
+    assert x['executed_gflop'] == pytest.approx(gflop(x['passes'], x['core_keys'])), k
+  assert r['active_gflop'] == pytest.approx(gflop(r['active_passes'],
+                                                  v['a1_compact']['core_keys']))
   assert r['active_gflop'] <= v['a1_compact']['executed_gflop'] + 1e-12
-  assert 1 <= r['mean_loops'] <= 4
   # attention keys per core query as executed: A0's chunked causal attention, the masked
   # engine's full L, the compacted buffers' static ranges in between
   assert v['a0']['core_keys'] == model_lib.causal_keys(16)
