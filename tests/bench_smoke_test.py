@@ -179,6 +179,11 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
     ls = rows['a1_lockstep']
     assert ls['decode_counts']['core'] >= ls['mean_loops'] - 1e-6  # rows run the deepest's
     assert ls['decode_counts']['checks'] == ls['decode_counts']['core']
+    nano = config_lib.ModelConfig(**bench_util.MODEL_SHAPES['nano'])
+    for r in rows.values():  # each engine's FLOPs are its counts' (cache of 4 + 3 slots)
+      assert r['decode_flops'] == pytest.approx(
+          float(books.decode_flops(nano, **r['decode_counts'], cache_len=7)))
+    assert a1['decode_counts']['checks'] == a1['decode_counts']['core'] > 0  # checks booked
     for r in (a1, ls, rows['a1_waiting']):
       assert r['decode_flop_saving'] == pytest.approx(1 - r['decode_flops'] / a0['decode_flops'])
       if r['decode_realized_over_flops'] is not None:
