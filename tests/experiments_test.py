@@ -16,7 +16,7 @@ import pytest
 from conftest import built_once, nll_np
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, frontier, train
 from elastic_depth.data import synthetic
-from elastic_depth import kl_probe, router as router_lib
+from elastic_depth import books, kl_probe, model as model_lib, policies, router as router_lib
 from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
                          train_router)
 
@@ -209,9 +209,18 @@ def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
   ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3, 1.0], curves=('kl',), kl_probe=True, semantics=('parallel', 'cached'),
       timing_repeats=0))['results']
+  big = config_lib.ModelConfig(**config_lib.BLOCKS_135M)
+  probe_per_loop = policies.probe_flops((4, 2), big.d_model) / model_lib.flops_per_token(
+      big, 0, books.SEQ_135M)['loop']
   for name in ('kl_probe', 'kl_probe@cached'):
-    assert tuple(ok['curves'][name]['probe_size']) == (4, 2)
-    assert max(ok['check_books'][name]['cost']) > 0  # the probe runs at every loop
+    c = ok['curves'][name]
+    assert tuple(c['probe_size']) == (4, 2)
+    # the books charge the probe at every loop: its cost per loop on top of the same
+    # counts' cost without it
+    bare = books.curve_costs({**c, 'probe_size': None}, big, books.SEQ_135M)
+    np.testing.assert_allclose(np.subtract(ok['check_books'][name]['cost_135m'], bare),
+                               probe_per_loop, rtol=1e-9)
+  assert probe_per_loop > 0
   assert ok['curves']['kl']['probe_size'] is None
   with pytest.raises(common.SetupError, match='kl_probe was fitted .* in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
