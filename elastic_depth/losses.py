@@ -78,7 +78,10 @@ def head_nll(h_NxD, w_VxD, targets_N, mask_N, chunk: int) -> jax.Array:
 
   The LM head and cross-entropy fused: equal to masked_nll(dense(h, w.T), ...)[0], but
   the [N, V] logits exist one chunk at a time, and the gradients are formed in the
-  forward pass (no logits kept for the backward; same matmuls as plain autodiff).
+  forward pass (no logits kept for the backward; the same matmuls as plain autodiff).
+  Logits, softmax and loss are fp32; the logit gradient p - onehot is rounded to the
+  compute dtype before its two matmuls, as every layer's backward rounds its cotangent
+  under bf16 (plain autodiff keeps this one fp32: dw differs by ~1e-3 relative in bf16).
 
   Args:
     h_NxD: final hidden states (compute dtype).

@@ -1,10 +1,12 @@
-"""losses.head_nll (the fused LM head + cross-entropy) against float64 numpy and autodiff."""
+"""losses: the NLL and the fused LM head + cross-entropy (head_nll) against float64 numpy and
+autodiff."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import nll_np
 from elastic_depth import losses
 
 
@@ -51,6 +53,40 @@ def test_head_nll_scales_with_the_cotangent_and_equals_plain_autodiff():
   for g, wnt in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(wnt), rtol=1e-4, atol=1e-6)
   assert float(jnp.abs(got[0]).max()) > 1e-3  # not trivially zero
+
+
+def test_nll_and_masked_nll_match_float64():
+  """Per-token NLL in fp32 from bf16 logits too, masked to 0; the masked sum and count."""
+  g = np.random.default_rng(3)
+  logits = g.normal(size=(2, 7, 13)) * 4
+  t, m = g.integers(0, 13, (2, 7)), (g.random((2, 7)) > 0.4).astype(np.float64)
+  for dt in (jnp.float32, jnp.bfloat16):
+    x = jnp.asarray(logits, dt)
+    want = nll_np(np.asarray(x.astype(jnp.float32), np.float64), t)
+    got = losses.nll(x, jnp.asarray(t, jnp.int32))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    got = losses.nll(x, jnp.asarray(t, jnp.int32), jnp.asarray(m, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), want * m, rtol=1e-5, atol=1e-5)
+    total, count = losses.masked_nll(x, jnp.asarray(t, jnp.int32), jnp.asarray(m, jnp.float32))
+    assert float(total) == pytest.approx(np.sum(want * m), rel=1e-5) and float(count) == m.sum()
+
+
+def test_head_nll_in_bf16_keeps_the_loss_fp32_and_the_gradients_within_bf16():
+  """bf16 h and w: the loss equals float64 on the rounded inputs (fp32 logits and softmax);
+  the gradients, whose logit gradient is rounded to bf16, stay within 1% of float64."""
+  h, w, t, m = _case(n=64, d=16, v=48, seed=2)
+  hb, wb = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  rounded = [np.asarray(x.astype(jnp.float32), np.float64) for x in (hb, wb)]
+  want, want_dh, want_dw = _np_head_nll(*rounded, t, m)
+  f = lambda h, w: losses.head_nll(h, w, jnp.asarray(t, jnp.int32), jnp.asarray(m, jnp.float32),
+                                   16)
+  got, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(hb, wb)
+  assert got.dtype == jnp.float32 and dh.dtype == dw.dtype == jnp.bfloat16
+  assert float(got) == pytest.approx(want, rel=1e-5)
+  for g_, wnt in ((dh, want_dh), (dw, want_dw)):
+    err = np.linalg.norm(np.asarray(g_.astype(jnp.float32)) - wnt) / np.linalg.norm(wnt)
+    assert err < 1e-2, err
 
 
 def test_argmax_rows_equals_numpy_argmax():
