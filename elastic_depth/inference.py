@@ -136,7 +136,7 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
 
     readout = lambda s: model.decode_state(s, pos)[0]
     check_fn, carry0 = policies.make_check_fn(
-        cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_weight(),
+        cfg.policy, eps=cfg.eps, readout=readout, w_VxD=model.head_matrix(),
         router=router, targets_BxL=targets_BxL, use_kernel=cfg.use_kernel, trace=trace,
         min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate,
         max_loops=loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth,
@@ -278,7 +278,7 @@ def _compact_phase(model: LoopedLM, cfg: ExitConfig, inj, pos, lay: _Layout, com
       h_new, coda_kv = _compact_readout(model, buf, put_idx, s_new, lay, coda_kv, compact_coda,
                                         needs_head, reads(i))
       check_fn, _ = policies.make_check_fn(
-          policy, eps=eps, readout=lambda _: h_new, w_VxD=model.head_weight(),
+          policy, eps=eps, readout=lambda _: h_new, w_VxD=model.head_matrix(),
           router=router, use_kernel=cfg.use_kernel, min_loops=cfg.min_loops,
           check_every=cfg.check_every, gate=cfg.gate, max_loops=loop_cap(cfg),
           patience=cfg.patience, eps_growth=cfg.eps_growth)
@@ -332,7 +332,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
     pad = compact_coda and active_BxL is not None
     coda_kv0 = (_group_major(model.decode_state(lay.to_rows(s0), lay.pos)[1]) if pad else
                 [(zeros, zeros)] * c.n_coda if compact_coda else [])
-    _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_weight(),
+    _, carry0 = policies.make_check_fn(policy, eps=cfg.eps, w_VxD=model.head_matrix(),
                                        router=router, use_kernel=cfg.use_kernel,
                                        patience=cfg.patience)
 

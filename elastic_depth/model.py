@@ -297,10 +297,14 @@ class LoopedLM(nnx.Module):
     return self.final_norm(x), kvs
 
   @jax.named_scope('head')
+  def head_matrix(self) -> jax.Array:
+    """The head matrix [V, D] in the compute dtype: what the output logits and every exit
+    check multiply (so all paths read the same p_i)."""
+    return self.head_weight().astype(self.dtype)
+
   def logits(self, h_BxLxD) -> jax.Array:
     """LM head in fp32: logits_BxLxV."""
-    w = self.head_weight().astype(self.dtype)
-    return dense(h_BxLxD, w.T, preferred_element_type=jnp.float32)  # BLD,VD->BLV
+    return dense(h_BxLxD, self.head_matrix().T, preferred_element_type=jnp.float32)
 
 
 class Forward(NamedTuple):

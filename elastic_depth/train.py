@@ -74,7 +74,7 @@ def make_train_step(graphdef, cfg: Config, mesh: Mesh) -> Callable:
                       head=not chunk)
     if chunk:  # head + cross-entropy fused, chunk tokens at a time
       flat = lambda x: x.reshape((-1,) + x.shape[2:])
-      total = losses.head_nll(flat(out.hidden), mdl.head_weight().astype(mdl.dtype),
+      total = losses.head_nll(flat(out.hidden), mdl.head_matrix(),
                               flat(micro['targets']), flat(micro['mask']), chunk)
       return total, jnp.sum(micro['mask'])
     total, count = losses.masked_nll(out.logits, micro['targets'], micro['mask'])

@@ -3,13 +3,14 @@
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, safe_eps
-from elastic_depth import config, inference, losses, model as model_lib
+from elastic_depth import config, decoding, inference, losses, model as model_lib
 from elastic_depth.kernels import kl_halting
 
 B, L, R = 2, 10, 10
@@ -303,3 +304,37 @@ def test_score_refuses_ids_out_of_the_vocabulary_and_a_nan_eps():
   with pytest.raises(config.ConfigError, match='exit.eps=nan'):
     inference.score(mdl, toks.at[0, 2].set(3), config.ExitConfig(eps=float('nan')),
                     jax.random.key(0))
+
+
+def _head_dots(jaxpr, v: int, d: int) -> list:
+  """Operand dtypes of every dot in a jaxpr (sub-jaxprs included) with a [V, D] operand."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      shapes = [tuple(x.aval.shape) for x in eqn.invars]
+      if (v, d) in shapes or (d, v) in shapes:
+        out.append(tuple(str(x.aval.dtype) for x in eqn.invars))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out += _head_dots(sub, v, d)
+  return out
+
+
+@pytest.mark.parametrize('policy', ['kl', 'reverse_kl', 'confidence'])
+def test_bf16_checks_multiply_the_head_in_the_compute_dtype(policy):
+  """Under bf16 every head product (the checks' and the output's) is bf16 x bf16 with fp32
+  accumulation, so the exit statistic reads the same p_i as the output logits."""
+  mcfg = dataclasses.replace(exit_model_config(), dtype='bfloat16')
+  mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(3))
+  toks = jnp.zeros((B, L), jnp.int32)
+  cfg = config.ExitConfig(policy=policy, eps=1e-3, max_loops=4)
+  for engine in ('masked', 'compacted'):
+    jpr = jax.make_jaxpr(lambda t, e=engine: inference.score(
+        mdl, t, dataclasses.replace(cfg, engine=e), jax.random.key(0)))(toks).jaxpr
+    dots = _head_dots(jpr, mcfg.vocab_size, mcfg.d_model)
+    assert len(dots) >= 2, dots  # the checks' products and the final readout's
+    assert all(dt == ('bfloat16', 'bfloat16') for dt in dots), (engine, dots)
+  cache = decoding.init_cache(mdl, B, 16)  # decode_step's general check path (traced)
+  jpr = jax.make_jaxpr(lambda t: decoding.decode_step(
+      mdl, cache, t, 3, cfg, jax.random.key(0), trace=True))(toks[:, 0]).jaxpr
+  dots = _head_dots(jpr, mcfg.vocab_size, mcfg.d_model)
+  assert len(dots) >= 2 and all(dt == ('bfloat16', 'bfloat16') for dt in dots), dots
