@@ -104,7 +104,8 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
     _, s_BxGxQxS = _chunk_scores(qs_BxGxMxCxK, k_BxGxSxK, i, w, end)
     see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
     p = jax.nn.softmax(jnp.where(see_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
-    outs.append(jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end]))
+    outs.append(jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end],
+                           preferred_element_type=jnp.float32).astype(v_BxGxSxK.dtype))
   return _token_major(outs, rep)
 
 

@@ -1,6 +1,7 @@
 """Tests for elastic_depth.attention: RoPE and the causal attentions, against float64 numpy."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -184,3 +185,25 @@ def test_attention_plus_equals_float64_reference_over_both_key_sets():
         w = np.where(sees, np.exp(logit - logit[sees].max()), 0.0)
         want[bi, ci, hi] = (w / w.sum()) @ vals
   np.testing.assert_allclose(f64(got), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('fn', ['grouped', 'causal'])
+def test_bf16_attention_accumulates_its_products_in_fp32(fn):
+  """Under bf16 both batched products (scores, values) accumulate in fp32: cached decoding's
+  grouped attention rounds like the training attention, once, at its output."""
+  q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
+  kv = jnp.zeros((2, 2, 128, 64), jnp.bfloat16)
+  f = {'grouped': lambda q, k, v: attention_lib.grouped_attention(
+           q, k, v, 2, lambda i: 128, lambda i, end: jnp.ones((1, 64, end), bool)),
+       'causal': lambda q, k, v: attention_lib.causal_attention(
+           q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))}[fn]
+  def dots_in(jaxpr):
+    for e in jaxpr.eqns:
+      yield from [e] * (e.primitive.name == 'dot_general')
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        yield from dots_in(sub)
+  dots = list(dots_in(jax.make_jaxpr(f)(q, kv, kv).jaxpr))
+  assert len(dots) >= 4, len(dots)  # 2 chunks x (scores, values)
+  assert all(e.params['preferred_element_type'] == jnp.float32 for e in dots), [
+      e.params['preferred_element_type'] for e in dots]
+  assert f(q, kv, kv).dtype == jnp.bfloat16
