@@ -170,19 +170,29 @@ def test_harvest_equals_the_engines_per_loop_trace(setup):
   np.testing.assert_array_equal(h.loops_N, np.concatenate(loops))
 
 
+def _kl_rows_np(logits_new, logits_old):
+  """KL(p_new || p_old) per row of two logit arrays, in float64."""
+  a, b = (np.asarray(x, np.float64) for x in (logits_new, logits_old))
+  la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
+  lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
+  return np.sum(np.exp(la) * (la - lb), axis=-1)
+
+
 def test_exit_harvest_keeps_the_loops_each_token_ran(setup):
   """exit_eps: pairs from a run under the KL exit (masked engine) are its tokens' loops
-  2..depth, with the states and KL of that run's own trace, after the uniform run's."""
+  2..depth, after the uniform run's, each with the token's state and change at that loop
+  and the float64 KL of its readouts: the same exit run capped at i and at i - 1 loops."""
   mdl, batches, rng = setup
   b = batches[0]
+  toks = jnp.asarray(b['inputs'])
   base = kl_probe.harvest(mdl, [b], R, rng)
-  tr = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
-      policy='uniform', depth=R), rng, trace=True).traces
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
   eps = safe_eps(list(np.asarray(tr['kl'])))
   h = kl_probe.harvest(mdl, [b], R, rng, exit_eps=[eps])
-  res = inference.score(mdl, jnp.asarray(b['inputs']), config.ExitConfig(
-      policy='kl', eps=eps, max_loops=R), rng, trace=True)
-  depth, kl = np.asarray(res.depth), np.asarray(res.traces['kl'])
+  capped = [inference.score(mdl, toks, config.ExitConfig(policy='kl', eps=eps, max_loops=i),
+                            rng) for i in range(1, R + 1)]  # capped[i - 1]: at most i loops
+  depth = np.asarray(capped[-1].depth)
   keep = b['mask'] > 0
   assert len(np.unique(depth[keep])) > 1
   ran = [(i, r, c) for i in range(2, R + 1) for r, c in zip(*np.nonzero(keep))
@@ -190,7 +200,13 @@ def test_exit_harvest_keeps_the_loops_each_token_ran(setup):
   n0 = len(base.log_kl_N)
   np.testing.assert_array_equal(h.log_kl_N[:n0], base.log_kl_N)
   np.testing.assert_array_equal(h.loops_N[n0:], [i for i, _, _ in ran])
-  want = np.maximum(np.log([kl[i - 1, r, c] for i, r, c in ran]), kl_probe.LOG_FLOOR)
+  state = lambda i, r, c: np.asarray(capped[i - 1].state[r, c], np.float64)
+  np.testing.assert_allclose(h.states_NxD[n0:], [state(i, r, c) for i, r, c in ran],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(h.delta_NxD[n0:], [state(i, r, c) - state(i - 1, r, c)
+                                                for i, r, c in ran], rtol=1e-4, atol=1e-5)
+  kl = [_kl_rows_np(capped[i - 1].logits[r, c], capped[i - 2].logits[r, c]) for i, r, c in ran]
+  want = np.maximum(np.log(kl), kl_probe.LOG_FLOOR)
   np.testing.assert_allclose(h.log_kl_N[n0:], want, atol=1e-3, rtol=1e-3)
 
 
