@@ -170,8 +170,9 @@ def calibrate(cal: dict, cal_mask: np.ndarray, test: dict, test_mask: np.ndarray
     delta, alpha: the guarantee P(risk > delta) <= alpha.
     risk: a Risk; pvalue: a PValue; bound: clip of the per-token loss increase.
   Returns:
-    JSON-friendly dict: chosen eps (None: keep full depth), p-values, and for each split
-    the risk, loss and mean loops at the chosen eps.
+    JSON-friendly dict: chosen eps (None: keep full depth), p-values, the calibration
+    units (sequences) and their mean risk at every eps, and for each split the risk, loss
+    and mean loops at the chosen eps.
   """
   grid = [float(e) for e in eps_grid]
   if grid != sorted(grid):
@@ -186,6 +187,7 @@ def calibrate(cal: dict, cal_mask: np.ndarray, test: dict, test_mask: np.ndarray
   return {'eps': None if j is None else grid[j], 'index': j, 'eps_grid': grid,
           'delta': float(delta), 'alpha': float(alpha), 'risk': Risk(risk).value,
           'pvalue': PValue(pvalue).value, 'bound': float(b), 'p_values': ps,
+          'units': int(units.shape[1]),
           'calibration_risk_by_eps': [float(x) for x in units.mean(-1)],
           'calibration': _summary(cal, cal_mask, j, risk, b),
           'heldout': _summary(test, test_mask, j, risk, b)}

@@ -144,12 +144,18 @@ def test_calibrate_eps_end_to_end_and_marked_on_the_sweep(workdir):
   out = calibrate_eps.run(_opts(workdir), x)
   res = _numbers(out['paths']['json'])
   assert res['cal_batches'] == [0] and res['test_batches'] == [1]  # disjoint splits
-  assert res['eps'] in (None, *x.eps_grid)
-  j = res['index']
-  # the certified prefix: every p-value up to the chosen index is <= alpha, the next is not
-  ps = res['p_values']
-  assert all(p <= 0.2 for p in ps[:(-1 if j is None else j) + 1])
-  assert len(ps) == 3 or ps[-1] > 0.2
+  # the p-values are the Hoeffding-Bentkus bound of each eps's mean calibration risk over
+  # the calibration sequences, in grid order until the first above alpha; the chosen eps
+  # is the last of the certified prefix
+  n, risks = res['units'], res['calibration_risk_by_eps']
+  assert n == 4 and len(risks) == 3  # one batch of 4 sequences
+  ps = [calibrate.p_hoeffding_bentkus(r / 4.0, n, 0.5 / 4.0) for r in risks]
+  stop = next((i for i, p in enumerate(ps) if p > 0.2), len(ps) - 1)
+  np.testing.assert_allclose(res['p_values'], ps[:stop + 1], rtol=1e-12)
+  j = next((i - 1 for i, p in enumerate(ps) if p > 0.2), len(ps) - 1)
+  assert res['index'] == (None if j < 0 else j)
+  assert res['eps'] == (None if j < 0 else x.eps_grid[j])
+  assert risks[0] <= risks[-1]  # eps 1e9 exits every token at its first check
   if res['eps'] is not None:
     assert 1 <= res['heldout']['mean_loops'] <= res['r_max']
   sw = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
