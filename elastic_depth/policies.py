@@ -115,14 +115,16 @@ def kl_probe_log_of_change(probe: KLProbe, s: jax.Array, d: jax.Array, i) -> jax
 
 
 def kl_probe_set_log(p: KLProbe, s: jax.Array, d: jax.Array) -> jax.Array:
-  """kl_probe_log_of_change with one parameter set p (a KLProbe without the axis R)."""
+  """kl_probe_log_of_change with one parameter set p (a KLProbe without the axis R: its
+  fields keep their names, a_RxDxK being [D, K] here; K the probe's rank, H its hidden
+  units, E = 2 D the hidden units' features, the probe's own letters)."""
   q_BxLxK = jnp.einsum('BLD,DK->BLK', d, p.a_RxDxK)
   x = (s - p.mu_RxD) / p.sd_RxD
   out = (p.alpha_R * jnp.log(jnp.sum(q_BxLxK * q_BxLxK, -1) + 1e-12)
          + jnp.einsum('BLD,D->BL', x, p.w_RxD) + p.b_R)
   if p.w2_RxH.shape[0]:
     z = jnp.concatenate([x, d / p.sd_RxD], -1)
-    h_BxLxH = jax.nn.gelu(jnp.einsum('BLC,CH->BLH', z, p.w1_Rx2DxH) + p.b1_RxH)
+    h_BxLxH = jax.nn.gelu(jnp.einsum('BLE,EH->BLH', z, p.w1_Rx2DxH) + p.b1_RxH)
     out = out + jnp.einsum('BLH,H->BL', h_BxLxH, p.w2_RxH)
   return out
 
