@@ -158,7 +158,7 @@ def bench(name: str, mdl, depth: int, toks, eps: float, fake: float) -> dict:
   keys['a1_compact_active'] = keys['a1_compact']
   flops = _books(mdl.cfg, l, n, passes, keys)
   mean_loops = float(np.mean(np.asarray(aux['a1_compact'].depth)))
-  ratios = {f'{prefix}vs_{base}': _ratio(times, flops, v, base)
+  ratios = {f'{prefix}vs_{base}': dict(_ratio(times, flops, v, base), variant=v, base=base)
             for prefix, v in (('', 'a1_compact'), ('pooled_', 'a1_pooled'))
             for base in ('a0', 'a1_masked')}
   rows = {k: dict(median_s=med[k], min_s=min(times[k]), times_s=times[k],
@@ -270,10 +270,9 @@ def markdown(out: dict) -> str:
   lines += ['', '| shape | mean loops | engine vs | wall saving (median) | FLOP saving | '
             'realized/FLOP (median) | realized/FLOP (min) |', '|---|---|---|---|---|---|---|']
   for name, r in out['runs'].items():
-    for k, v in r['ratios'].items():
+    for v in r['ratios'].values():
       fmt = lambda x: '-' if x is None else f'{x:.2f}'
-      eng, base = k.split('vs_')
-      lines.append(f'| {name} | {r["mean_loops"]:.2f} | {eng[:-1] or "compacted"} vs {base} | '
+      lines.append(f'| {name} | {r["mean_loops"]:.2f} | {v["variant"]} vs {v["base"]} | '
                    f'{v["wall_saving"]:.1%} | {v["flop_saving"]:.1%} | '
                    f'{fmt(v["realized_over_flop"])} | {fmt(v["realized_over_flop_min"])} |')
   return '\n'.join(lines) + '\n'

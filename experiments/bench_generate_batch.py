@@ -252,9 +252,10 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
   if match:  # the prompt prefilled as A0's (`bench_generate_quality.cheapest_uniform`)
     match_cfg = config.ExitConfig(policy='uniform', depth=match_depth)
     fns['a0_match'] = counted(match_cfg, a0_cfg)
-  fns.update({'a1_depthwise': served(),
-         'a1_waiting': served(wait_rows=_WAIT.value or b), 'a1_allrows': served(compact=False),
-         'a1_lockstep': counted(a1_cfg)})  # lockstep returns its counts (a few ints per step)
+  exits = {'a1_depthwise': served(),  # the A1 engines: checks booked, compared with the match
+           'a1_waiting': served(wait_rows=_WAIT.value or b), 'a1_allrows': served(compact=False),
+           'a1_lockstep': counted(a1_cfg)}  # lockstep returns its counts (a few ints per step)
+  fns.update(exits)
   pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
   calls = {k: functools.partial(f, prompts, forced) for k, f in fns.items()}
   calls.update({f'prefill:{k}': functools.partial(f, prompts, forced) for k, f in pre.items()})
@@ -273,7 +274,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
     rows[key]['min_s'] = min(times[key])
     rows[key].update(bench_util.usage_fields(timed.usage[key], per_call=False))
     _phase_fields(rows[key], times[key], times[f'prefill:{pk}'], b * n, pdepth, a0)
-    _flop_fields(rows[key], _per_token_counts(out, b, n, key.startswith('a1_')), mdl.cfg,
+    _flop_fields(rows[key], _per_token_counts(out, b, n, key in exits), mdl.cfg,
                  _F.prompt_len + n, a0)
     if forced is not None:  # forced decoding: the loss of these very calls
       w = np.resize(pool['weight'], (b, n))
@@ -290,18 +291,19 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
           f'  prefill {rows[key]["prefill_s"] * 1e3:.2f} ms  kernel '
           f'{rows[key]["sys_s_median"]:.3f} s, {rows[key]["minor_faults_median"]:.0f} faults '
           f'per call', flush=True)
-  return _vs_match(rows, 'a0_match' if match else 'a0')
+  return _vs_match(rows, 'a0_match' if match else 'a0', exits)
 
 
-def _vs_match(rows: dict, key: str) -> dict:
-  """Each A1 engine's speed against the cheapest matched uniform depth (rows[key]): its
-  time over A1's, end to end and in the decode phase (> 1: A1 is faster)."""
+def _vs_match(rows: dict, key: str, exits) -> dict:
+  """Each A1 engine's (the rows named in exits) speed against the cheapest matched uniform
+  depth (rows[key]): its time over A1's, end to end and in the decode phase (> 1: A1 is
+  faster)."""
   u = rows[key]
-  for k, r in rows.items():
-    if k.startswith('a1_'):
-      r['speed_vs_match'] = u['seconds'] / r['seconds']
-      ok = u['decode_s'] is not None and r['decode_s'] is not None
-      r['decode_speed_vs_match'] = u['decode_s'] / r['decode_s'] if ok else None
+  for k in exits:
+    r = rows[k]
+    r['speed_vs_match'] = u['seconds'] / r['seconds']
+    ok = u['decode_s'] is not None and r['decode_s'] is not None
+    r['decode_speed_vs_match'] = u['decode_s'] / r['decode_s'] if ok else None
   return rows
 
 
