@@ -94,15 +94,15 @@ def describe(res: dict) -> str:
            f"params {p['params']:,}; training FLOPs/token at the mean depth "
            f"{p['train_flops_per_token']:.3g}; {p['tokens_per_step']:,} tokens/step x "
            f"{p['steps']:,} steps = {p['tokens']:.3g} tokens, {p['total_flops']:.3g} FLOPs",
-           'per-device memory of the compiled step (GiB): arguments / outputs / '
-           'temporaries / peak']
+           'per-device memory of the compiled step: arguments / outputs / temporaries / peak']
+  size = lambda n: f'{n / GIB:.2f} GiB' if n >= GIB else f'{n / 2**20:.1f} MiB'
   for k in ('remat_on', 'remat_off'):
     if k not in res:
       continue
     m = res[k]
-    lines.append(f"  {k}: {m['argument_size_in_bytes'] / GIB:.2f} / "
-                 f"{m['output_size_in_bytes'] / GIB:.2f} / {m['temp_size_in_bytes'] / GIB:.2f}"
-                 f" / {m['peak_bytes'] / GIB:.2f} (compiled in {m['compile_s']:.0f} s)")
+    lines.append(f"  {k}: " + ' / '.join(size(m[f]) for f in (
+        'argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes', 'peak_bytes'))
+                 + f" (compiled in {m['compile_s']:.0f} s)")
   fmt = lambda h: f'{h:.1f} h' if h >= 1 else f'{60 * h:.1f} min'
   lines.append(f"time on one device at {100 * p['mfu']:.0f}% bf16 MFU: " + ', '.join(
       f'{k} {fmt(v)}' for k, v in p['hours_one_device'].items()))

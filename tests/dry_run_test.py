@@ -2,13 +2,15 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
-from elastic_depth import config as config_lib, distributed, dry_run, model as model_lib
+from elastic_depth import distributed, dry_run, model as model_lib
 from pretrain_errors_test import TINY, tiny_config
 
 pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
@@ -23,9 +25,26 @@ def test_dry_run_compiles_reports_memory_and_trains_nothing(tmp_path):
                        timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
-  assert 'params' in text and 'remat_on' in text and 'remat_off' in text
-  assert 'H200' in text and 'TPU v5e' in text
   assert not (wd / 'checkpoints').exists() and not (wd / 'metrics.jsonl').exists()
+  # the printed figures are the config's: parameters, and the compiled step's memory with
+  # and without remat (compiled again here, to the printed precision)
+  cfg = tiny_config()
+  assert f'params {model_lib.count_params(cfg.model):,};' in text
+  mesh = distributed.make_mesh(jax.devices()[:1])
+  for remat in (True, False):
+    c = dataclasses.replace(cfg, depth=dataclasses.replace(cfg.depth, remat=remat))
+    m = dry_run.compiled_memory(c, mesh)
+    line = next(x for x in text.splitlines() if x.strip().startswith(
+        f'remat_{"on" if remat else "off"}:'))
+    got = [float(v) for v in re.findall(r'([\d.]+) MiB', line)]
+    want = [m[f] / 2**20 for f in ('argument_size_in_bytes', 'output_size_in_bytes',
+                                   'temp_size_in_bytes', 'peak_bytes')]
+    np.testing.assert_allclose(got, want, atol=0.051)
+    assert want[2] > 0
+  hours = re.search(r'H200 ([\d.]+) (h|min)', text)
+  p = dry_run.plan(cfg)
+  assert hours and float(hours.group(1)) == pytest.approx(
+      p['hours_one_device']['H200'] * (60 if hours.group(2) == 'min' else 1), abs=0.051)
 
 
 def test_dry_run_still_refuses_bad_input(tmp_path):
@@ -54,4 +73,3 @@ def test_memory_grows_with_the_batch_and_the_plan_counts_flops():
   assert p['train_flops_per_token'] == want
   assert p['hours_one_device']['H200'] == (
       want * tokens * cfg.train.steps / (989e12 * 0.5) / 3600)
-  config_lib.validate(cfg)
