@@ -16,7 +16,7 @@ import pytest
 from conftest import built_once, nll_np
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, frontier, train
 from elastic_depth.data import synthetic
-from elastic_depth import books, kl_probe, model as model_lib, policies, router as router_lib
+from elastic_depth import books, kl_probe, model as model_lib, oracle, policies, router as router_lib
 from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
                          train_router)
 
@@ -438,7 +438,14 @@ def test_depth_oracle_reports_rules_beside_uniform_depth(workdir):
   assert split['loops_answer'] == 3 and split['loops_other'] == 1
   share = (w[:, 1:] > 0).sum() / w.size  # the last decoded token predicts no scored target
   assert split['mean_loops'] == pytest.approx(1 + 2 * share)
-  assert 1 <= pts['lookahead:0.01']['mean_loops'] <= loaded.r_max
+  # the lookahead point is oracle.lookahead_decode's (its rule brute-forced in oracle_test)
+  nll, depth = oracle.lookahead_decode(loaded.model, jnp.asarray(toks[:, :4]),
+                                       jnp.asarray(toks[:, 4:8]), 0.01, loaded.r_max, key,
+                                       uni(2))
+  look = pts['lookahead:0.01']
+  assert look['loss'] == pytest.approx((np.asarray(nll, np.float64) * w).sum() / w.sum(),
+                                       rel=1e-4)
+  assert look['mean_loops'] == pytest.approx(float(np.mean(depth)))
   assert os.path.exists(out['paths']['png']) and 'lookahead:0.01' in open(
       out['paths']['md'], encoding='utf-8').read()
   for bad, words in [(dict(schedules=('deep:2',)), 'unknown depth rule'),
