@@ -151,7 +151,20 @@ RUNS = {Semantics.PARALLEL: nnx.jit(policy_outputs, static_argnames=_statics),
 
 def trace_batches(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
                   r_max: int, rng: jax.Array, progress: bool = False) -> Trace:
-  """Traced uniform-depth runs (policy 'uniform', depth r_max) over the batches."""
+  """Traced uniform-depth runs (policy 'uniform', depth r_max) over the batches.
+
+  Args:
+    model: the frozen LM, computing in float32 (else ValueError).
+    batches: dicts of 'inputs', 'targets' (int [B, L]), 'mask' ([B, L], the scored
+      tokens) and optionally 'difficulty' ([B, L], kept only if every batch has it); N
+      rows in all.
+    r_max: the depth R of the runs.
+    rng: the fixed key of the initial states (`batch_key`: the same for every batch).
+    progress: a tqdm bar over the batches.
+  Returns:
+    Trace: per-loop stats [R, N, L] (kl, rkl, conf, delta, nll float32; argmax int32), the
+    batches' inputs, targets and difficulty [N, L] concatenated, and mask float32 [N, L].
+  """
   check_fp32(model)
   run = functools.partial(_trace_run, r_max=r_max)
   outs = []

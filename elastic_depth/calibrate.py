@@ -122,8 +122,19 @@ def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
                mask_only: bool = False):
   """Per-token nll, argmax, depth [G, N, L] at every eps, and the same at full depth r_max.
 
-  Batch k uses keys[k] for its initial state (pass the keys frontier.sweep uses); with
-  mask_only, only the batch's scored (mask) tokens may exit.
+  Args:
+    model: the frozen LM.
+    batches: dicts of 'inputs', 'targets' (int [B, L]) and, with mask_only, 'mask'
+      ([B, L], the scored tokens), every batch of the same L; N rows in all.
+    keys: one key per batch: batch k uses keys[k] for its initial state (pass the keys
+      frontier.sweep uses).
+    eps_grid: the G thresholds.
+    r_max: the loop cap of the policy runs and the full depth of the reference.
+    policy: the exit policy (an ExitPolicy value).
+    mask_only: only the batch's scored (mask) tokens may exit.
+  Returns:
+    dict: 'nll' fp32, 'argmax' int32 and 'depth' int32, each [G, N, L] (row g at
+    eps_grid[g]); 'ref_nll' fp32 and 'ref_argmax' int32 [N, L] at uniform depth r_max.
   """
   out = []
   with jax.default_matmul_precision('highest'):

@@ -87,7 +87,18 @@ def prefill(model: LoopedLM, prompt_BxP, cfg: ExitConfig, rng, max_len: int,
             router=None):
   """Runs the prompt in parallel semantics and fills a cache of max_len positions.
 
-  Returns (cache, the last position's logits_BxV, depth_BxP); router: as `decode_step`.
+  Args:
+    model: the frozen LM.
+    prompt_BxP: int32 [B, P] prompt ids.
+    cfg: the prompt's exit config (scored by `inference.score`).
+    rng: key of the initial recurrent states.
+    max_len: positions of the cache (>= P); slots 0..P-1 get the prompt's keys/values.
+    router: the state probe, as `decode_step`.
+  Returns:
+    (cache, logits_BxV, depth_BxP): the Cache, fp32 [B, V] logits of the prompt's last
+    position (predicting token P) and int32 [B, P] loops per prompt token.
+  Raises:
+    ValueError if the prompt is longer than max_len.
   """
   if prompt_BxP.shape[-1] > max_len:
     raise ValueError(f'a cache of max_len={max_len} positions cannot hold the '
@@ -126,23 +137,37 @@ def initial_states(model: LoopedLM, rng, length: int) -> jax.Array:
 def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rng,
                 router=None, with_counts: bool = False, init_table=None,
                 trace: bool = False, depth_B=None):
-  """One new token at scalar position pos: returns (logits_BxV, cache, depth_B[, Counts]
-  [, traces]).
-
-  router: the state probe of policies router and kl_probe (`router.load`,
-  `kl_probe.load`).
-  with_counts: also return the step's executed `inference.Counts`.
-  init_table: `initial_states(model, rng, S)`, to read the token's initial state from
-  (else drawn here).
-  trace: also return the check's statistics at every loop, the states included
-  (`policies.make_check_fn`'s trace: kl, delta, ..., state; [R, B, 1(, D)]).
-  depth_B: int32 [B] given depths: a row also exits after depth_B loops (an oracle's or a
-  request's depth; with policy uniform at a cap >= max(depth_B), exactly those loops).
+  """One new token at scalar position pos through the cache.
 
   For the KL policy the exit check reads the loop-(i-1) and loop-i states in one
   pass over the coda and head (one weight read for both), runs only when the
   relative state change is below cfg.gate (policy gated_kl), and the logits of a
   successful check are the token's output, so the final readout costs nothing extra.
+
+  Args:
+    model: the frozen LM.
+    cache: the Cache of S positions, filled before pos (`prefill`, earlier steps).
+    token_B: int32 [B] the new token of each row.
+    pos: its position, a scalar int or int32 [] (0 <= pos < S).
+    cfg: exit policy, eps, min/max loops, check_every, gate.
+    rng: key of the token's initial recurrent state (read only without init_table).
+    router: the state probe of policies router and kl_probe (`router.load`,
+      `kl_probe.load`).
+    with_counts: also return the step's executed `inference.Counts`.
+    init_table: `initial_states(model, rng, S)` [S, 1, D], to read the token's initial
+      state from (else drawn here).
+    trace: also return the check's statistics at every loop, the states included
+      (`policies.make_check_fn`'s trace: kl, delta, ..., state; [R, B, 1(, D)]).
+    depth_B: int32 [B] given depths: a row also exits after depth_B loops (an oracle's or
+      a request's depth; with policy uniform at a cap >= max(depth_B), exactly those loops).
+  Returns:
+    (logits_BxV, cache, depth_B[, Counts][, traces]): fp32 [B, V] logits of the new
+    token's output (predicting position pos + 1), the Cache with its keys/values written
+    at pos, int32 [B] loops it ran; with with_counts the `inference.Counts` (batch passes
+    int32 [], per-token arrays int32 [B, 1]); with trace the dict of [R, B, 1(, D)] stats,
+    R = `inference.loop_cap(cfg)`.
+  Raises:
+    ValueError for an int pos outside the cache, or an exit config it cannot honour.
   """
   check_exit(cfg)
   if isinstance(pos, int) and not 0 <= pos < cache.core[0][0].shape[2]:
@@ -257,10 +282,22 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
                  router=None, with_counts: bool = False):
   """Teacher-forced scoring in cached semantics: prefill the prompt, then one token at a time.
 
-  Returns (logits, depth, prompt depth[, counts]): logits [B, L - prompt_len, V]
-  predicting tokens prompt_len..L-1, the depths [B, L - prompt_len] of tokens
-  prompt_len..L-1, the prompt's depths [B, prompt_len] and, with with_counts, the decode
-  steps' Counts stacked over tokens (batch passes [T], per-token arrays [B, T]).
+  Args:
+    model: the frozen LM.
+    tokens_BxL: int32 [B, L] the sequences; tokens 0..prompt_len-1 are prefilled.
+    prompt_len: tokens prefilled in parallel semantics, 1 <= prompt_len < L.
+    cfg: exit policy of the prompt and of every decode step.
+    rng: key of the initial recurrent states.
+    router: the state probe, as `decode_step`.
+    with_counts: also return the decode steps' executed Counts.
+  Returns:
+    (logits, depth, prompt depth[, counts]): fp32 logits [B, L - prompt_len, V]
+    predicting tokens prompt_len..L-1, the int32 depths [B, L - prompt_len] of tokens
+    prompt_len..L-1, the prompt's int32 depths [B, prompt_len] and, with with_counts, the
+    decode steps' `inference.Counts` stacked over tokens, T = L - prompt_len (batch passes
+    and core_keys [T], per-token arrays [B, T]).
+  Raises:
+    ValueError if prompt_len is not in [1, L).
   """
   l = tokens_BxL.shape[1]
   if not 1 <= prompt_len < l:
@@ -307,17 +344,31 @@ def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              temperature: float = 0.0, router=None, with_counts: bool = False,
              forced_BxN=None, prefill_cfg: ExitConfig | None = None, depth_BxN=None):
-  """Samples n_new tokens (`pick`); returns (tokens_BxL, depth_Bxn_new[, nll][, counts]).
+  """Samples n_new tokens (`pick`) after the prompt, one `decode_step` each.
 
-  temperature: 0 for greedy, else sampling as `pick` (keys by position).
-  router: as `decode_step`.
-  forced_BxN: forced decoding: the n_new tokens are these, not picked, and nll_Bxn_new
-  (each one's NLL under the logits it follows) comes after the depths.
-  with_counts: also the decode steps' Counts stacked over steps, as in `score_cached`
-  (batch passes [n_new]; every row runs each step's deepest row's loops).
-  prefill_cfg: the prompt's exit config (default cfg), e.g. a deep prompt and a shallow
-  uniform decode.
-  depth_BxN: given depths of the n_new decode steps (`decode_step`'s depth_B).
+  Args:
+    model: the frozen LM.
+    prompt_BxP: int32 [B, P] prompt ids (prefilled in parallel semantics).
+    n_new: tokens to generate per row, an int >= 0 (N = n_new).
+    cfg: exit config of the decode steps.
+    rng: key of the initial recurrent states and of sampling.
+    temperature: 0 for greedy, else sampling as `pick` (keys by position).
+    router: the state probe, as `decode_step`.
+    with_counts: also the decode steps' Counts stacked over steps (every row runs each
+      step's deepest row's loops).
+    forced_BxN: int [B, N] forced decoding: the n_new tokens are these, not picked, and
+      their NLL is returned.
+    prefill_cfg: the prompt's exit config (default cfg), e.g. a deep prompt and a shallow
+      uniform decode.
+    depth_BxN: int [B, N] given depths of the n_new decode steps (`decode_step`'s depth_B).
+  Returns:
+    (tokens_BxL, depth_BxN[, nll_BxN][, counts]): int32 [B, P + n_new] the prompt then the
+    new tokens, int32 [B, N] loops per new token; with forced_BxN fp32 [B, N] each forced
+    token's NLL under the logits it follows; with with_counts the `inference.Counts`
+    stacked over steps (batch passes and core_keys [N], per-token arrays [N, B, 1]).
+  Raises:
+    ValueError for a prompt or n_new the model cannot take, or forced_BxN / depth_BxN
+    not of shape [B, N].
   """
   check_tokens(model.cfg, prompt_BxP, 'prompt', extra=n_new)
   b, p = prompt_BxP.shape

@@ -81,6 +81,24 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
   readouts and head products while active, plus the final readout), i.e. what an
   engine running active tokens only would execute. Cached counts cover positions
   1..L-1 (position 0 is prefilled).
+
+  Args:
+    model: the frozen LM, computing in float32 (else ValueError).
+    batches: dicts of 'inputs', 'targets' (int [B, L]) and 'mask' ([B, L], the scored
+      tokens), every batch of the same L; N rows in all.
+    rng: the fixed key of the initial states (`batch_key`: the same for every batch).
+    curve: the policy, its thresholds, probe, semantics and check schedule.
+    r_max: the loop cap (max_loops and uniform depth).
+    progress: a tqdm bar over the thresholds.
+  Returns:
+    dict: 'policy' (ExitPolicy), 'probe_size' (`policies.probe_size` of curve.router),
+    'row_tokens' (each row's scored tokens, N floats) and one list entry per threshold
+    under 'threshold'; 'mean_loops', 'loss' (mask-weighted mean loops and NLL,
+    nats/token); 'flops', 'flops_active' (FLOPs per position as above); 'mean_core_passes'
+    (the batch's core passes per counted position, padding included); 'mean_readouts',
+    'mean_heads', 'mean_loops_counted' (mask-weighted per-token readouts, head products
+    and loops over the counted positions); 'share_max_depth' (masked share of tokens at
+    r_max loops); 'row_loss', 'row_loops' (per-row masked sums of NLL and loops, N each).
   """
   check_fp32(model)
   policy, min_loops = ExitPolicy(curve.policy), curve.min_loops
@@ -211,6 +229,14 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
       eps * g^(i - 2) (named '<curve>/g<g>'; the books also judge each check over all
       its growths: '<curve>/g*').
     progress: tqdm bars.
+  Returns:
+    JSON-friendly dict: 'r_max', 'ref_depth', 'delta', 'gate', 'tokens' (scored tokens),
+    'a0' (`uniform_curve`), 'a0_cached' (`cached_uniform_curve`, with cached semantics
+    only), 'curves' ({name: `policy_curve`'s dict}), 'headline' ({name: `books.headline`
+    against A0 of its semantics, its best point with 'wall_clock' when timed}) and
+    'check_books' (`books.check_books`).
+  Raises:
+    ValueError for an unknown curve or semantics, or kl_probes missing a semantics.
   """
   sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
   grids = _grids(curves, eps_grid, state_delta_grid)

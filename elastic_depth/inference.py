@@ -115,13 +115,23 @@ def exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: bool = F
               trace_states: bool = False):
   """Loop policy for LoopedLM.forward: per-token early exit in parallel semantics.
 
-  With exit_mask_BxL, only tokens where it is True may exit early (the others run to the
-  maximum); the rule is still evaluated everywhere.
-
-  The aux output is the recurrence.ExitResult (depths, traces, offered keys/values).
-  active_BxL: initial mask (padding starts inactive); schedule_BxL: benchmarks only,
-  a token also exits at the first allowed loop >= schedule (`policies.scheduled`).
-  trace_states: with trace, the traces hold each loop's states too ('state', [R, B, L, D]).
+  Args:
+    cfg: exit policy, eps, min/max loops (uniform: cfg.depth), check_every, gate.
+    router: the state probe of policies router and kl_probe.
+    targets_BxL: int32 [B, L] next tokens; with trace, per-loop NLL is recorded.
+    trace: record the check's statistics at every loop.
+    exit_mask_BxL: bool [B, L]: only tokens where it is True may exit early (the others
+      run to the maximum); the rule is still evaluated everywhere.
+    active_BxL: bool [B, L] initial mask (padding starts inactive).
+    schedule_BxL: int32 [B, L], benchmarks only: a token also exits at the first allowed
+      loop >= schedule (`policies.scheduled`).
+    trace_states: with trace, the traces hold each loop's states too ('state', [R, B, L, D]).
+  Returns:
+    loop(model, s0_BxLxD, inj_BxLxD, pos_BxL) -> (s_BxLxD, aux): the final states and the
+    recurrence.ExitResult (int32 depths [B, L], per-loop traces [R, B, L(, D)] with trace
+    (else {}), per core block the offered keys/values [B, L, G, K], the check's final
+    carry, and `Counts`: batch passes int32 [], per-token arrays int32 [B, L], core_keys
+    float32 [] = L).
   """
   def loop(model: LoopedLM, s0, inj, pos):
     b, l = s0.shape[:2]
@@ -301,8 +311,7 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   """Loop policy: the same per-token exit as `exit_loop`, run on the active tokens only.
 
   Loops run in phases of one capacity (`recurrence.early_exit_compacted`: every row's
-  active tokens in a buffer of one of `recurrence.capacities(L, steps)` slots (steps: the
-  config's compact_steps unless given), gathered
+  active tokens in a buffer of one of `recurrence.capacities(L, steps)` slots, gathered
   once per phase); the core runs on the buffer (queries) against the whole rows'
   keys/values (kv-group-major buffers, the live tokens' fresh ones scattered in,
   `compaction.compact_attention`), and so do the exit check's readout, head and KL
@@ -311,8 +320,24 @@ def compact_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: 
   its last readout, which ran on its final state); with more, later coda blocks'
   keys/values depend on other tokens, so the coda runs on all tokens and its output is
   gathered. Depths and logits equal exit_loop's.
-  The aux output is a CompactAux (counts in executed token slots / (B x L)).
-  layout: where the tokens are (`pooled_exit_loop`; default: the model's rows).
+
+  Args:
+    cfg: exit policy, eps, min/max loops, check_every, gate, compact_steps.
+    router: the state probe, as `exit_loop`.
+    targets_BxL: ignored (only read by traces).
+    trace: must be False (per-loop traces need the masked engine).
+    exit_mask_BxL, active_BxL, schedule_BxL: as `exit_loop`, bool/bool/int32 [B, L].
+    steps: buffer capacities `recurrence.capacities(L, steps)` (default cfg.compact_steps).
+    layout: where the tokens are (`pooled_exit_loop`; default: the model's rows).
+  Returns:
+    loop(model, s0_BxLxD, inj_BxLxD, pos_BxL) -> (s_BxLxD, aux): the final states and a
+    CompactAux (int32 depths [B, L], per core block the offered keys/values [B, L, G, K],
+    loops and query slots run, int32 [], no traces, and `Counts` in executed token
+    slots / (B x L): batch passes and core_keys float32 [], per-token arrays int32
+    [B, L]). With a pooled layout the loop's arrays are [1, B x L, ...] (the keys/values
+    stay [B, L, G, K]).
+  Raises:
+    ValueError with trace.
   """
   del targets_BxL  # only read by traces
   if trace:
@@ -370,7 +395,19 @@ def pooled_exit_loop(cfg: ExitConfig, *, router=None, targets_BxL=None, trace: b
   pool, and a loop runs the buffer's projections on the batch's active tokens
   (`recurrence.capacities(B x L, steps)`) while attention stays per row
   (`compaction.pooled_attention`: all B x L queries, cheap for short rows). Depths,
-  logits and keys/values equal exit_loop's. The aux output is a CompactAux.
+  logits and keys/values equal exit_loop's.
+
+  Args:
+    cfg, router, targets_BxL, trace, exit_mask_BxL, active_BxL, schedule_BxL: as
+      `compact_exit_loop` (masks and schedule [B, L], pooled here).
+    steps: pool capacities `recurrence.capacities(B x L, steps)` (default
+      cfg.compact_steps).
+  Returns:
+    loop(model, s0_BxLxD, inj_BxLxD, pos_BxL) -> (s_BxLxD, aux): the final states and a
+    CompactAux as `compact_exit_loop`'s (depths and per-token counts [B, L], keys/values
+    [B, L, G, K]).
+  Raises:
+    ValueError with trace.
   """
   del targets_BxL  # only read by traces
   if trace:

@@ -97,11 +97,25 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
   Parallel semantics: one forward per batch (`_recorded_loop`). Cached semantics: token
   by token through `decoding.decode_step` (its trace), each token after the tokens
   before it ran r_max loops and offer their last loop's keys/values; position 0 is
-  prefilled and gives no pairs. exit_eps: also each batch under the exact KL exit at
-  each of these eps, in the same semantics (parallel: masked engine, exited tokens
-  frozen; cached: earlier tokens offer the keys/values of the loop they exited at), its
-  tokens' loops 2..depth: the states that runs with exits reach. progress: a bar over
-  the runs.
+  prefilled and gives no pairs.
+
+  Args:
+    mdl: the frozen LM.
+    batches: dicts of 'inputs' (int [B, L]) and 'mask' ([B, L]: tokens > 0 give pairs).
+    r_max: the depth R of the runs (the loop cap of the exit runs).
+    rng: key of the initial recurrent states.
+    max_pairs: at most this many pairs, drawn without replacement when there are more.
+    seed: seed of that draw.
+    semantics: parallel or cached (a Semantics or its value).
+    exit_eps: also each batch under the exact KL exit at each of these eps, in the same
+      semantics (parallel: masked engine, exited tokens frozen; cached: earlier tokens
+      offer the keys/values of the loop they exited at), its tokens' loops 2..depth: the
+      states that runs with exits reach.
+    progress: a bar over the runs.
+  Returns:
+    Harvest of N pairs (token, loop i in 2..R) over all runs: delta_NxD [N, D]
+    s_i - s_{i-1}, states_NxD [N, D] s_i, log_kl_N float32 [N] log KL(p_i || p_{i-1})
+    floored at LOG_FLOOR, and loops_N int [N] the loop i.
   """
   sem = Semantics(semantics)
   make = {Semantics.PARALLEL: (_parallel_run, _exit_run),
@@ -189,7 +203,25 @@ def fit(h: Harvest, rank: int = 32, hidden: int = 0, steps: int = 1000, lr: floa
         objective: Objective = Objective.SQUARES) -> KLProbe:
   """A probe of `loops` parameter sets: set r for loop r + 2, the last also for every later
   loop (loops = 1: one for all; fewer where the harvest has fewer loops), each fitted on
-  its loops' pairs alone (`_fit_set`) by the objective's mean over them."""
+  its loops' pairs alone (`_fit_set`) by the objective's mean over them.
+
+  Args:
+    h: the pairs (`harvest`).
+    rank: K, the rank of the quadratic form of the state change.
+    hidden: H, hidden units of the correction (0: none).
+    steps: Adam steps per set.
+    lr: learning rate.
+    seed: seed of the initial weights and of the pairs drawn per step.
+    batch: pairs drawn per step (all of a set's pairs when it has fewer).
+    loops: the number of parameter sets.
+    objective: what each set minimises (`Objective`).
+  Returns:
+    KLProbe with a leading axis of R' = min(loops, max loop of h - 1) sets: a_RxDxK
+    [R', D, K], w_RxD, mu_RxD, sd_RxD [R', D], b_R, alpha_R [R'], w1_Rx2DxH [R', 2D, H],
+    b1_RxH, w2_RxH [R', H].
+  Raises:
+    ValueError if a set has no pairs.
+  """
   group = probe_loop_np(h.loops_N, loops)
   sets = []
   for g in range(int(group.max()) + 1):
@@ -278,7 +310,19 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def evaluate(probe: KLProbe, h: Harvest) -> dict:
   """How well the probe, and the relative state change for comparison, order the true KL
-  (censored at LOG_FLOOR: the estimate is floored there too; RMSE over pairs above it)."""
+  (censored at LOG_FLOOR: the estimate is floored there too; RMSE over pairs above it).
+
+  Args:
+    probe: the KL probe (`fit`, `load`); each pair reads its loop's parameter set.
+    h: the pairs (`harvest`), N of them.
+  Returns:
+    JSON-friendly dict: 'n' (pairs), 'share_floored' (share of log KL at LOG_FLOOR),
+    'rmse_log_kl' (the estimate's RMSE in log KL over the pairs above the floor),
+    'spearman_probe' and 'spearman_state_change' (rank correlations with log KL of the
+    floored estimate and of the relative state change), 'rank', 'hidden' and 'loops' (K,
+    H and the parameter sets), and 'mse_censored' (mean squared error in log KL over all
+    pairs; at the floor only an estimate above it counts).
+  """
   pred = _predict(probe, h)
   x = jnp.asarray(h.states_NxD)[None]
   change = np.asarray(relative_change(x, x - jnp.asarray(h.delta_NxD)[None])[0])

@@ -170,10 +170,26 @@ def measure(model, pool: Mapping[str, Any], s: Schedule, r_max: int, rng, prefil
             chunk: int = 64) -> dict:
   """Answer loss and mean decode loops of schedule s over a pool of validation windows.
 
-  pool: 'prompt' [N, P], 'forced' [N, T] (the text decoded after each prompt), 'weight'
-  [N, T] (each forced token's loss weight: 1 on answers), optionally 'k' [N, T] (the
-  difficulty of each forced token). The depth of the token decoded at step j sets the
-  prediction of forced token j + 1, so it predicts an answer where weight[:, j + 1] > 0.
+  The depth of the token decoded at step j sets the prediction of forced token j + 1, so
+  it predicts an answer where weight[:, j + 1] > 0.
+
+  Args:
+    model: the frozen LM.
+    pool: 'prompt' [N, P], 'forced' [N, T] (the text decoded after each prompt), 'weight'
+      [N, T] (each forced token's loss weight: 1 on answers), optionally 'k' [N, T] (the
+      difficulty of each forced token).
+    s: the depth rule and its arguments (`parse`).
+    r_max: the loop cap (label rules' depths are clipped to [1, r_max]).
+    rng: key of the initial recurrent states.
+    prefill_depth: the uniform depth of the prompts' prefill.
+    chunk: rows per call (`analysis.in_row_chunks`: one compilation).
+  Returns:
+    JSON-friendly dict: 'schedule' (s.name), 'rule', 'loss' (the weight-weighted mean NLL
+    of the forced tokens), 'mean_loops' (over all N x T decoded tokens), 'loops_answer'
+    and 'loops_other' (mean loops of the tokens that do and do not predict an answer;
+    None where there are none), 'answer_share' and 'tokens' (N x T).
+  Raises:
+    ValueError for the difficulty rule on a pool without 'k'.
   """
   w = np.asarray(pool['weight'], np.float64)
   nxt = lambda a: np.concatenate([a[:, 1:], np.zeros_like(a[:, :1])], axis=1)

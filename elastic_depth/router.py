@@ -42,7 +42,20 @@ def _recorded_loop(r_max: int) -> model_lib.LoopFn:
 
 def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
             max_pairs: int = 200_000, seed: int = 0) -> Harvest:
-  """Runs every batch at uniform depth r_max, recording states and argmax at each loop."""
+  """Runs every batch at uniform depth r_max, recording states and argmax at each loop.
+
+  Args:
+    mdl: the frozen LM.
+    batches: dicts of 'inputs' (int [B, L]) and 'mask' ([B, L]: tokens > 0 give pairs).
+    r_max: the depth R of the runs.
+    rng: key of the initial recurrent states.
+    max_pairs: at most this many pairs, drawn without replacement when there are more.
+    seed: seed of that draw.
+  Returns:
+    Harvest of N pairs (every masked token at every loop 1..R, or max_pairs of them):
+    states_NxD float32 [N, D] s_i, labels_N float32 [N] (1: the argmax changes at some
+    loop j in (i, R]; 0 at loop R) and loops_N int [N] the loop i (1-based).
+  """
   @jax.jit
   def run(inputs_BxL):
     return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux  # [R, B, L, D], [R, B, L]
@@ -68,7 +81,18 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
 
 def fit(h: Harvest, steps: int = 500, lr: float = 1e-2, weight_decay: float = 1e-4,
         seed: int = 0) -> Router:
-  """Class-balanced logistic regression on standardised states (full-batch AdamW)."""
+  """Class-balanced logistic regression on standardised states (full-batch AdamW).
+
+  Args:
+    h: the labelled pairs (`harvest`).
+    steps: full-batch AdamW steps.
+    lr: learning rate.
+    weight_decay: AdamW weight decay.
+    seed: seed of the initial weights' key.
+  Returns:
+    Router: w_D float32 [D], b [], and the standardisation mu_D, sd_D [D] (h's state
+    mean, and std + 1e-6); each class weighs half of the loss.
+  """
   x = jnp.asarray(h.states_NxD)
   y = jnp.asarray(h.labels_N)
   mu, sd = x.mean(0), x.std(0) + 1e-6
@@ -97,7 +121,18 @@ def fit(h: Harvest, steps: int = 500, lr: float = 1e-2, weight_decay: float = 1e
 
 
 def evaluate(router: Router, h: Harvest, bins: int = 10) -> dict:
-  """Accuracy, balanced accuracy, base rate and expected calibration error on h."""
+  """Accuracy, balanced accuracy, base rate and expected calibration error on h.
+
+  Args:
+    router: the probe (`fit`, `load`).
+    h: labelled pairs (`harvest`), N of them.
+    bins: equal-width bins of P(change) over [0, 1] for the calibration error.
+  Returns:
+    JSON-friendly dict: 'n' (pairs), 'base_rate' (share of label 1), 'accuracy' and
+    'balanced_accuracy' (mean of the two classes' recalls; NaN without one class) of
+    P(change) > 0.5, 'ece' and 'reliability' (per non-empty bin: 'bin', 'n', 'mean_p',
+    'frac_pos').
+  """
   p = np.asarray(jax.nn.sigmoid(router_logit(router, jnp.asarray(h.states_NxD)[None])[0]))
   y = h.labels_N > 0.5
   pred = p > 0.5

@@ -286,15 +286,28 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
         forced: bool = False, fuse: bool = True) -> State:
   """Engine steps until every row has produced `until` tokens (default: all n_new).
 
-  compact=False runs the readouts and admissions over all B rows whenever any row needs
-  them (the engine before compaction; a benchmark baseline). wait_rows: a row whose token
-  exited idles until that many rows wait (or none has a token in flight), then their
-  readouts and admissions run as one pass each: fewer, fuller passes for idle core slots
-  (1: every step's exits at the next step, as soon as possible; > 1: the core loop runs
-  compacted to the rows in flight). Tokens and depths do not depend on it. forced: the
-  State came from `start` with forced_BxN (forced decoding).
-  fuse: for checks that never read out, the final readout and the admission in one pass
-  (False: two passes; same tokens and depths).
+  Args:
+    model: the frozen LM.
+    st: the State from `start` (or an earlier `run`) of B rows.
+    cfg: the exit config `start` was given.
+    rng: key of sampling (`decoding.pick`'s per-position keys).
+    eps_B: [B] per-row exit thresholds (`start`'s third output).
+    until: tokens per row to stop at (capped at n_new; default n_new).
+    temperature: 0 for greedy; else sampling, as `start`.
+    compact: False runs the readouts and admissions over all B rows whenever any row
+      needs them (the engine before compaction; a benchmark baseline).
+    wait_rows: a row whose token exited idles until that many rows wait (or none has a
+      token in flight), then their readouts and admissions run as one pass each: fewer,
+      fuller passes for idle core slots (1: every step's exits at the next step, as soon
+      as possible; > 1: the core loop runs compacted to the rows in flight). Tokens and
+      depths do not depend on it.
+    forced: the State came from `start` with forced_BxN (forced decoding).
+    fuse: for checks that never read out, the final readout and the admission in one pass
+      (False: two passes; same tokens and depths).
+  Returns:
+    The State advanced, every pending readout and admission flushed: tokens int32
+    [B, P + n_new], depth int32 [B, n_new] (at least each row's first `until` tokens
+    filled), the executed Counts and nll fp32 [B, n_new] (forced decoding; else zeros).
   """
   n_new, b = st.depth.shape[1], st.depth.shape[0]
   pick = Pick(temperature, forced)
@@ -314,10 +327,25 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              fuse: bool = True) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
-  Args: as `start` (forced_BxN: forced decoding, the NLL of each forced token); compact,
-    wait_rows and fuse as `run`.
+  Args:
+    model: the frozen LM.
+    prompt_BxP: int32 [B, P] prompts, right-padded when prompt_len_B is given.
+    n_new: tokens to generate per row (>= 1).
+    cfg: exit policy (uniform, kl, gated_kl or state_delta), min/max loops, check_every, gate.
+    rng: key of the initial recurrent states (and of sampling).
+    eps_B: float [B] per-row exit thresholds (default cfg.eps for every row), as `start`.
+    prompt_len_B: int [B] per-row prompt lengths in [1, P] (default P).
+    temperature: 0 for greedy; else sampling with decoding.generate's per-position keys.
+    compact, wait_rows, fuse: as `run`.
+    forced_BxN: int [B, n_new] forced decoding: row b's tokens after its prompt are
+      forced_BxN[b], not picked, and the NLL of each forced token is recorded.
   Returns:
-    Generation (tokens, per-token depths, prompt depths, executed Counts, NLL [B, n_new]).
+    Generation: tokens int32 [B, P + n_new] (row b's prompt, then its n_new tokens at
+    p_b..), depth int32 [B, n_new] loops per generated token, prompt_depth int32 [B, P]
+    (padding included), the executed Counts and, with forced_BxN, nll fp32 [B, n_new]
+    (else None).
+  Raises:
+    ValueError for arguments `start` cannot honour.
   """
   st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
                             prompt_len_B=prompt_len_B, temperature=temperature,
