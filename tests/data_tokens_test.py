@@ -158,3 +158,25 @@ def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
   saved = json.loads((tmp_path / 'wd' / 'config.json').read_text())
   assert saved['data']['source'] == 'tokens'
   assert (tmp_path / 'wd' / 'tokenizer.json').is_file()
+  # the first step trained on the shards' first batch: its logged loss is an independent
+  # forward of that batch (from the pipeline over the shards) with the initial weights
+  import jax  # pylint: disable=g-import-not-at-top
+  from elastic_depth import model as model_lib  # pylint: disable=g-import-not-at-top
+  host = next(pipeline.build(data, seq_len=16, batch_size=cfg.train.batch_size,
+                             vocab_size=300).train_iter)
+  assert host['inputs'].max() >= 31  # BPE ids beyond the synthetic task's own 31
+  graphdef, state = train.init_state(cfg, cfg.train.seed)
+  mdl = model_lib.bind(graphdef, state.params)
+  tokens = jax.numpy.asarray(host['inputs'])
+  pos = model_lib.positions(tokens)
+  e, _ = mdl.encode(tokens, pos)
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+      jax.random.key(cfg.train.seed), 0x1a17), 0), 0)  # step 0, micro-batch 0 (train_test)
+  s, _ = mdl.core_step(mdl.initial_state(e, key, pos), mdl.inject(e), pos)
+  logits = np.asarray(mdl.logits(mdl.decode_state(s, pos)[0]), np.float64)
+  logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+  nll = -np.take_along_axis(logp, host['targets'][..., None], axis=-1)[..., 0]
+  want = float((nll * host['mask']).sum() / host['mask'].sum())
+  with open(tmp_path / 'wd' / 'metrics.jsonl', encoding='utf-8') as f:
+    first = next(r for r in map(json.loads, f) if r.get('step') == 1 and 'train/loss' in r)
+  assert first['train/loss'] == pytest.approx(want, rel=1e-5)
