@@ -147,6 +147,9 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['share_max_depth'].append(masked_mean(depth == r_max, mask))
   out['policy'] = policy
   out['probe_size'] = policies.probe_size(curve.router)  # its FLOPs are in the check books
+  out['schedule'] = dict(semantics=Semantics(curve.semantics).value, min_loops=curve.min_loops,
+                         eps_growth=curve.eps_growth, check_every=curve.check_every,
+                         patience=curve.patience)
   return out
 
 
@@ -236,10 +239,16 @@ def sweep(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]], rng: 
     against A0 of its semantics, its best point with 'wall_clock' when timed}) and
     'check_books' (`books.check_books`).
   Raises:
-    ValueError for an unknown curve or semantics, or kl_probes missing a semantics.
+    ValueError for an unknown curve or semantics, kl_probes missing a semantics, or an
+    extra curve whose name holds '/' or '@' or is taken.
   """
   sems = [Semantics(x) for x in semantics]  # ValueError on an unknown one, before any run
   grids = _grids(curves, eps_grid, state_delta_grid)
+  taken = set(curves) | {'router', 'kl_probe'}
+  bad = [n for n in (extra_curves or {}) if '/' in n or '@' in n or n in taken]
+  if bad:
+    raise ValueError(f'extra curve name {bad[0]!r}: names are plain ("/" and "@" mark the '
+                     "variants and semantics the sweep adds) and not another curve's")
   if trace is None:
     trace = trace_batches(model, batches, r_max, rng, progress)
   if gate is None:

@@ -351,3 +351,16 @@ def test_decode_flops_match_the_compiled_decode_step(attention):
   assert (books.decode_flops(cfg, 1, 1, 1, 1, 0, 2 * slots)
           - books.decode_flops(cfg, 1, 1, 1, 1, 0, slots)) == pytest.approx(
               blocks * per_key * slots)
+
+
+def test_exact_curve_is_found_by_the_recorded_semantics():
+  """The exact check's curve in a curve's own semantics: its recorded schedule, else the
+  '@<semantics>' of its name."""
+  exact, cached = {'loss': [1.0]}, {'loss': [2.0]}
+  res = {'curves': {'kl': exact, 'kl@cached': cached}}
+  sched = lambda sem: {'schedule': {'semantics': sem}}
+  assert books._exact_curve(res, 'probe', sched('cached'), 'kl') is cached
+  assert books._exact_curve(res, 'probe', sched('parallel'), 'kl') is exact
+  assert books._exact_curve(res, 'probe@cached', {}, 'kl') is cached  # older results
+  assert books._exact_curve(res, 'probe', {}, 'kl') is exact
+  assert books._exact_curve({'curves': {'kl': exact}}, 'p', sched('cached'), 'kl') is None

@@ -96,6 +96,12 @@ def test_sweep_wires_curves_and_headlines(setup):
   assert wc['saving'] == pytest.approx(1 - wc['policy_s'] / wc['a0_s'])
   with pytest.raises(ValueError, match='unknown curve'):
     frontier.sweep(mdl, batches, rng, R, 3, curves=('nope',), trace=trace)
+  # '/' and '@' belong to the variants and semantics the sweep names: an extra curve
+  # named so would be grouped or judged as one of them
+  for bad in ('mine/min2', 'mine@cached', 'kl'):
+    with pytest.raises(ValueError, match=f'extra curve name {bad!r}'):
+      frontier.sweep(mdl, batches, rng, R, 3, curves=('kl',), trace=trace,
+                     extra_curves={bad: frontier.Curve('kl', [1e9])})
 
 
 def test_cached_semantics_curve(setup):
@@ -149,6 +155,9 @@ def test_cached_curves_are_judged_against_a0_in_cached_semantics(setup):
       n += m.sum()
     assert a0c['loss'][d - 1] == pytest.approx(tot / n, rel=1e-5)
     assert a0c['row_loops'][d - 1] == pytest.approx(d * np.asarray(a0c['row_tokens']))
+  assert res['curves']['kl@cached']['schedule'] == dict(
+      semantics='cached', min_loops=1, eps_growth=1.0, check_every=1, patience=1)
+  assert res['curves']['kl']['schedule']['semantics'] == 'parallel'
   # kl at eps 1e9 exits every token at loop 2: in cached semantics it is uniform depth 2
   fr = res['headline']['kl@cached']['frontier']
   assert fr['a0_loss_same_loops'][0] == pytest.approx(a0c['loss'][1])
