@@ -108,3 +108,22 @@ def test_token_classes_cached_and_special():
   table = tokenizer_lib.class_table(vocab)
   assert [tokenizer_lib.TOKEN_CLASS_NAMES[k] for k in table[[0, 1, 5, 15]]] == [
       'other', 'punctuation', 'numeral', 'word']
+
+
+def test_vocab_size_is_the_highest_id_plus_one(tmp_path):
+  """A tokenizer.json whose ids leave gaps needs max id + 1 embedding rows, not its count of
+  entries: ids 0, 2, 9 (and the added EOS) do not fit a model vocabulary of 8."""
+  path = tmp_path / 'tokenizer.json'
+  path.write_text(json.dumps({
+      'version': '1.0', 'truncation': None, 'padding': None, 'normalizer': None,
+      'pre_tokenizer': {'type': 'Whitespace'}, 'post_processor': None, 'decoder': None,
+      'added_tokens': [{'id': 3, 'content': '<|endoftext|>', 'single_word': False,
+                        'lstrip': False, 'rstrip': False, 'normalized': False,
+                        'special': True}],
+      'model': {'type': 'WordLevel', 'vocab': {'a': 0, 'b': 9, '[UNK]': 2},
+                'unk_token': '[UNK]'}}))
+  with pytest.raises(DataError, match=r'\(10 tokens.*model.vocab_size=8'):
+    tokenizer_lib.get(str(path), [], 8)
+  tok = tokenizer_lib.get(str(path), [], 10)
+  assert tok.vocab_size == 10
+  assert max(tok.encode_batch(['a b a'])[0]) == 9 < tok.vocab_size

@@ -33,7 +33,9 @@ class HFTokenizer:
 
   @property
   def vocab_size(self) -> int:
-    return self.tok.get_vocab_size(with_added_tokens=True)
+    """The highest id + 1 (the embedding rows its ids need; a tokenizer.json may leave
+    gaps in its ids, so the count of entries can be smaller)."""
+    return max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
 
   def encode_batch(self, docs: list[str]) -> list[np.ndarray]:
     """Token ids (int32, no EOS) of each document."""
