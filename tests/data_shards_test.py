@@ -184,6 +184,41 @@ def test_rerun_of_complete_dir_does_nothing_and_other_settings_are_refused(tmp_p
   assert shard_bytes(out) == before
 
 
+def test_synthetic_ops_are_part_of_the_settings_and_older_indexes_read_the_default(tmp_path):
+  """synth_num_ops changes every program: a directory prepared with 4 ops refuses 2; an
+  index written before the field was recorded counts as the default (4 ops)."""
+  syn = lambda **kw: DataConfig(source='synthetic', synth_task='chain', synth_examples=60,
+                                val_fraction=0.1, **kw)
+  out = tmp_path / 'syn'
+  prepare(syn(), out)
+  with pytest.raises(DataError, match=r'source.synth_num_ops.*never mixed'):
+    prepare(syn(synth_num_ops=2), out)
+  index = json.loads((out / shards.INDEX).read_text())
+  del index['source']['synth_num_ops']  # as an older prepare_data wrote it
+  (out / shards.INDEX).write_text(json.dumps(index))
+  before = shard_bytes(out)
+  prepare(syn(), out)  # complete, same settings: nothing to do
+  assert shard_bytes(out) == before
+  with pytest.raises(DataError, match=r'source.synth_num_ops'):
+    prepare(syn(synth_num_ops=2), out)
+
+
+def test_validation_files_are_never_training_files(tmp_path):
+  """data.paths (a directory or glob) that also names a data.val_paths file is refused,
+  in memory and when preparing shards."""
+  (tmp_path / 'd').mkdir()
+  write_corpus(tmp_path / 'd' / 'train.jsonl', 30)
+  val = write_corpus(tmp_path / 'd' / 'val.jsonl', 10, seed=1)
+  for paths in (tmp_path / 'd', f'{tmp_path}/d/*.jsonl'):
+    cfg = text_cfg(paths, val_paths=str(val))
+    with pytest.raises(DataError, match=r'share 1 file\(s\) \(.*val.jsonl\).*trained on'):
+      sources.load_text(cfg)
+    with pytest.raises(DataError, match='share 1 file'):
+      prepare(cfg, tmp_path / 'out')
+  assert len(sources.load_text(text_cfg(tmp_path / 'd' / 'train.jsonl',
+                                        val_paths=str(val))).val) == 10
+
+
 def test_errors(tmp_path, monkeypatch):
   (tmp_path / 'empty.jsonl').write_text('\n', encoding='utf-8')
   (tmp_path / 'bad.txt').write_bytes(b'fine<|endoftext|>bad \xff byte')

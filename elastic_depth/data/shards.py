@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from elastic_depth.config import DataConfig
 from elastic_depth.data import sources
 from elastic_depth.data import tokenizer as tokenizer_lib
 from elastic_depth.data.errors import DataError
@@ -37,7 +38,7 @@ SPLITS = ('train', 'val')
 # DataConfig fields that decide the token stream; a directory prepared with others is refused
 SOURCE_FIELDS = ('source', 'paths', 'val_paths', 'text_field', 'separator', 'hf_name',
                  'hf_config', 'tfds_name', 'max_docs', 'seed', 'val_fraction', 'synth_task',
-                 'synth_examples', 'synth_max_hops', 'synth_num_vars')
+                 'synth_examples', 'synth_max_hops', 'synth_num_vars', 'synth_num_ops')
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ def _text_parts(cfg) -> tuple[str, list[Part]]:
   if not cfg.paths:
     raise DataError('data.source=text needs --config.data.paths=FILE|GLOB|A,B,...')
   if cfg.val_paths:
+    sources.check_disjoint(cfg.paths, cfg.val_paths)
     return cfg.paths, [Part('train', sources.iter_files(cfg.paths, cfg)),
                        Part('val', sources.iter_files(cfg.val_paths, cfg, 'data.val_paths'))]
   return cfg.paths, [Part(None, sources.iter_files(cfg.paths, cfg))]
@@ -244,7 +246,9 @@ def _new_index(cfg, origin: str, tok, vocab_size: int, shard_tokens: int) -> dic
 
 def _check_same(old: dict, new: dict, out: pathlib.Path) -> None:
   """DataError if out/ was started with another source, tokenizer or shard size."""
-  diff = [f'source.{k}' for k in SOURCE_FIELDS if old['source'].get(k) != new['source'][k]]
+  # a field an older index lacks had its default then (synth_num_ops: 4 ops)
+  diff = [f'source.{k}' for k in SOURCE_FIELDS
+          if old['source'].get(k, getattr(DataConfig(), k)) != new['source'][k]]
   diff += [k for k in ('dtype', 'shard_tokens') if old.get(k) != new[k]]
   diff += [f'tokenizer.{k}' for k in ('fingerprint', 'vocab_size', 'eos_id')
            if old['tokenizer'].get(k) != new['tokenizer'][k]]

@@ -162,6 +162,17 @@ def capped(docs: Iterator[str], cfg) -> list[str]:
   return list(itertools.islice(docs, cfg.max_docs or None))
 
 
+def check_disjoint(paths: str, val_paths: str) -> None:
+  """DataError if data.paths and data.val_paths name a file in common (the validation
+  documents would be trained on)."""
+  val = {p.resolve() for p in expand_paths(val_paths, 'data.val_paths')}
+  shared = sorted(str(p) for p in expand_paths(paths) if p.resolve() in val)
+  if shared:
+    raise DataError(f'data.paths and data.val_paths share {len(shared)} file(s) ({shared[0]}'
+                    f'{", ..." if len(shared) > 1 else ""}): the validation documents would '
+                    'be trained on; narrow data.paths')
+
+
 def read_documents(spec: str, cfg, setting: str = 'data.paths') -> list[str]:
   """Stripped, non-empty documents of every file in `spec` (capped at cfg.max_docs)."""
   return capped(iter_files(spec, cfg, setting), cfg)
@@ -195,6 +206,8 @@ def load_text(cfg) -> Corpus:
   """Local .txt/.jsonl/.parquet files; validation from val_paths or a val_fraction split."""
   if not cfg.paths:
     raise DataError('data.source=text needs --config.data.paths=FILE|GLOB|A,B,...')
+  if cfg.val_paths:
+    check_disjoint(cfg.paths, cfg.val_paths)
   docs = read_documents(cfg.paths, cfg)
   if cfg.val_paths:
     return Corpus(docs, read_documents(cfg.val_paths, cfg, 'data.val_paths'), cfg.paths)
