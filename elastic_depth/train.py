@@ -166,6 +166,7 @@ class _Run:
   state: TrainState
   start: int
   tok_info: dict
+  skips: int = 0  # non-finite steps skipped before start (the checkpoint's meta)
 
 
 def _check_batch_split(cfg: Config) -> None:
@@ -201,8 +202,9 @@ def _build_data_here(cfg: Config, workdir: str):
     raise
 
 
-def _restore(mngr, state, mesh: Mesh, cfg: Config, ds) -> tuple[int, TrainState]:
-  """(start step, state on the mesh) from the newest usable checkpoint, or step 0.
+def _restore(mngr, state, mesh: Mesh, cfg: Config, ds) -> tuple[int, TrainState, int]:
+  """(start step, state on the mesh, steps skipped before it) from the newest usable
+  checkpoint, or step 0.
 
   The target carries this run's shardings, so a checkpoint restores onto any device or
   process count.
@@ -214,7 +216,7 @@ def _restore(mngr, state, mesh: Mesh, cfg: Config, ds) -> tuple[int, TrainState]
                                        quarantine=jax.process_index() == 0)
   if restored is None:
     print(f'--resume: no checkpoint in {mngr.directory} yet; starting at step 0', flush=True)
-    return 0, place_state(state, mesh, cfg.train)
+    return 0, place_state(state, mesh, cfg.train), 0
   start, state, meta = restored
   try:
     ds.train_iter.set_state(meta['data_iter'])
@@ -223,7 +225,7 @@ def _restore(mngr, state, mesh: Mesh, cfg: Config, ds) -> tuple[int, TrainState]
         f'checkpoint {mngr.directory}/{start}: its data-iterator state does not fit the '
         f'current data ({type(e).__name__}: {e}); resume with the data flags of that run'
     ) from e
-  return start, state
+  return start, state, int(meta.get('skipped', 0))
 
 
 def preflight(cfg: Config, workdir: str, resume: bool):
@@ -261,9 +263,9 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
   mesh = distributed.make_mesh(fsdp=t.fsdp)
   graphdef, state = init_state(cfg, t.seed)
   if resume:
-    start, state = _restore(mngr, state, mesh, cfg, ds)
+    start, state, skips = _restore(mngr, state, mesh, cfg, ds)
   else:
-    start, state = 0, place_state(state, mesh, t)
+    start, state, skips = 0, place_state(state, mesh, t), 0
   if start > t.steps:
     raise ConfigError(f'train.steps={t.steps} is below the step {start} restored from '
                       f'{mngr.directory}: nothing to train; raise --config.train.steps '
@@ -272,7 +274,7 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       json.dump(config_dict(cfg), f, indent=1)
   return _Run(cfg, workdir, mesh, mngr, ds, graphdef, state, start,
-              checkpoint.tokenizer_info(ds.tokenizer))
+              checkpoint.tokenizer_info(ds.tokenizer), skips)
 
 
 def _bad_step(r: _Run, done: int, m: dict, skips: int) -> None:
@@ -322,21 +324,23 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
   flops_tok, schedule = train_flops_per_token(cfg), lr_schedule(cfg)
   meter = _Throughput(r.start, accum * t.batch_size * t.seq_len)
   meta = lambda: {'config': config_dict(cfg), 'data_iter': r.ds.train_iter.get_state(),
-                  'tokenizer': r.tok_info}
-  skips, summary = 0, {}
+                  'tokenizer': r.tok_info, 'skipped': skips}
+  skips, summary, saved = r.skips, {}, r.start
   for step in range(r.start, t.steps):
-    if pre.signum is not None:  # signalled before the first step: nothing new to save
+    if pre.signum is not None and step == saved:  # signalled before this session's first step
       print(f'\npreempted by signal {pre.signum} before step {step + 1}: nothing new to '
             'save, exiting', flush=True)
       return {**summary, 'preempted_at': step}, skips
     batch = distributed.shard_batch([next(r.ds.train_iter) for _ in range(accum)], r.mesh,
                                     accum)
+    # the learning rate applied: a skipped step leaves the optimizer's count behind
+    lr = float(schedule(step - skips))
     r.state, m = step_fn(r.state, batch)
     m, done = jax.device_get(m), step + 1
     finite = bool(m['finite'])
     skips += (not finite) and t.nan_policy == NanPolicy.SKIP
     rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'], skipped=skips,
-               lr=float(schedule(step)))
+               lr=lr)
     log = done % t.log_every == 0 or done == t.steps
     if step == r.start:
       meter.reset(done)
@@ -353,11 +357,13 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
       val_loss = evaluate(eval_step, r.state.params, val, depths)
       writer.write(done, {f'loss_r{d}': v for d, v in val_loss.items()}, 'val/')
       summary = {**summary, 'step': done, 'val_loss': val_loss}
-    if done % t.ckpt_every == 0 or done == t.steps or pre.signum is not None:
+    sig = pre.signum  # read once: a signal arriving later is seen at the next step
+    if done % t.ckpt_every == 0 or done == t.steps or sig is not None:
       checkpoint.save(r.mngr, done, r.state, meta(), force=True)
-    if pre.signum is not None:
+      saved = done
+    if sig is not None:
       checkpoint.wait(r.mngr)
-      print(f'\npreempted by signal {pre.signum}: saved step {done}, exiting', flush=True)
+      print(f'\npreempted by signal {sig}: saved step {done}, exiting', flush=True)
       return {**summary, 'preempted_at': done}, skips
   checkpoint.wait(r.mngr)
   return summary, skips

@@ -228,6 +228,25 @@ def test_nan_skip_policy_counts_and_stops_after_max_skips(tmp_path):
   state, _ = checkpoint.load_state(wd, abstract, cfg)
   assert int(state.step) > bad - 4  # saved while skipping
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+  # the logged learning rate is the one applied: a skipped step leaves the optimizer's
+  # schedule count behind, so step s runs schedule(s - 1 - steps skipped before it)
+  sched, before = train.lr_schedule(cfg), 0
+  for r in (r for r in recs if 'train/lr' in r):
+    assert r['train/lr'] == pytest.approx(float(sched(r['step'] - 1 - before)), rel=1e-6)
+    before = r['train/skipped']
+  # the skip count is in the checkpoint: stopped after 4 steps and resumed, the run stops
+  # at the same step with the same count, its log continuing the first part's
+  wd2 = str(tmp_path / 'resumed')
+  first = run(wd2, '--config.train.lr=1e30', '--config.train.ckpt_every=2',
+              '--config.train.nan_policy=skip', '--config.train.max_skips=3',
+              '--config.train.steps=4')
+  assert first.returncode == 0, first.stderr[-3000:]
+  out = run(wd2, '--config.train.lr=1e30', '--config.train.ckpt_every=2',
+            '--config.train.nan_policy=skip', '--config.train.max_skips=3', '--resume')
+  assert out.returncode == 2 and f'non-finite loss/gradient at step {bad} ' in out.stderr
+  recs2 = [json.loads(l) for l in open(os.path.join(wd2, 'metrics.jsonl'))]
+  assert [r['train/skipped'] for r in recs2 if 'train/skipped' in r] == [
+      r['train/skipped'] for r in recs if 'train/skipped' in r]
 
 
 DISK_FULL = """
