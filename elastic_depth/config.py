@@ -195,7 +195,7 @@ class ExitConfig:
   max_loops: int = 32
   check_every: int = 1
   gate: float = 0.0          # gated_kl: consult the KL only where the relative state
-                             # change is below this (0: check every eligible loop)
+                             # change is below this (0: never, so no token exits early)
   eps_growth: float = 1.0    # the threshold at loop i >= 2 is eps * eps_growth^(i - 2)
                              # (> 1: looser with depth; policies.threshold)
   patience: int = 1          # state_delta: exit once the change has stayed below eps for

@@ -198,7 +198,7 @@ def decode_step(model: LoopedLM, cache: Cache, token_B, pos, cfg: ExitConfig, rn
     check_fn, carry0 = policies.make_check_fn(
         cfg.policy, eps=cfg.eps, readout=lambda s: readout(s)[0],
         w_VxD=model.head_matrix(), router=router, use_kernel=cfg.use_kernel,
-        min_loops=cfg.min_loops, check_every=cfg.check_every,
+        min_loops=cfg.min_loops, check_every=cfg.check_every, gate=cfg.gate,
         max_loops=inference.loop_cap(cfg), patience=cfg.patience, eps_growth=cfg.eps_growth,
         trace=trace, trace_states=trace)
     carry = carry0(s0)

@@ -293,3 +293,19 @@ def test_generation_arguments_are_checked_before_any_work():
     decoding.decode_step(mdl, cache, p[:, 0], 8, cfg, rng)
   with pytest.raises(config.ConfigError, match='max_loops=0'):
     decoding.decode_step(mdl, cache, p[:, 0], 0, config.ExitConfig(max_loops=0), rng)
+
+
+def test_gated_check_keeps_its_gate_on_every_decode_path():
+  """gated_kl through decode_step's general path (given depths, trace) honours exit.gate as
+  its fast path does: a no-op depth cap changes no depth."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
+  r, n, rng = 7, 6, jax.random.key(0)
+  p = jnp.asarray([[3, 17, 5, 9], [40, 2, 31, 0]], jnp.int32)
+  tr = inference.score(mdl, p, config.ExitConfig(policy='uniform', depth=r), rng,
+                       trace=True).traces
+  cfg = config.ExitConfig(policy='gated_kl', eps=float(np.percentile(tr['kl'][1:], 70)),
+                          gate=float(np.percentile(tr['delta'][1:], 70)), max_loops=r)
+  _, fast = decoding.generate(mdl, p, n, cfg, rng)
+  _, capped = decoding.generate(mdl, p, n, cfg, rng, depth_BxN=jnp.full((2, n), r, jnp.int32))
+  assert np.asarray(fast).min() < r  # tokens exit
+  np.testing.assert_array_equal(np.asarray(capped), np.asarray(fast))
