@@ -103,9 +103,14 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
     end = key_end(i)
     _, s_BxGxQxS = _chunk_scores(qs_BxGxMxCxK, k_BxGxSxK, i, w, end)
     see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
-    p = jax.nn.softmax(jnp.where(see_QxS, s_BxGxQxS, -jnp.inf), axis=-1)
-    outs.append(jnp.einsum('bgqs,bgsk->bgqk', p.astype(v_BxGxSxK.dtype), v_BxGxSxK[:, :, :end],
-                           preferred_element_type=jnp.float32).astype(v_BxGxSxK.dtype))
+    s_BxGxQxS = jnp.where(see_QxS, s_BxGxQxS, -jnp.inf)
+    e_BxGxQxS = jnp.exp(s_BxGxQxS - jnp.max(s_BxGxQxS, axis=-1, keepdims=True))
+    o_BxGxQxK = jnp.einsum('bgqs,bgsk->bgqk', e_BxGxQxS.astype(v_BxGxSxK.dtype),
+                           v_BxGxSxK[:, :, :end], preferred_element_type=jnp.float32)
+    # normalized after the value product in fp32, as every attention here is (the serving
+    # engine's attention_plus, the training attention): one rounding, at the output
+    outs.append((o_BxGxQxK / jnp.sum(e_BxGxQxS, axis=-1, keepdims=True)).astype(
+        v_BxGxSxK.dtype))
   return _token_major(outs, rep)
 
 

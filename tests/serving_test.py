@@ -341,3 +341,14 @@ def test_start_names_bad_rows_before_any_work():
       serving.generate(mdl, p, 3, cfg, rng, **kw)
   with pytest.raises(ValueError, match='ids must lie in'):
     serving.generate(mdl, p.at[1, 0].set(-3), 3, cfg, rng)
+
+
+def test_bf16_rows_equal_their_own_generation():
+  """In bf16 too: the serving engine's passes and decode_step attend alike (normalized
+  after the value product, one rounding), so rows decode as they do alone."""
+  mdl = model_lib.LoopedLM(dataclasses.replace(exit_model_config(), dtype='bfloat16'),
+                           nnx.Rngs(5))
+  rng = jax.random.key(0)
+  cfg, eps_B, out = _two_tiers(mdl, rng, 'kl', 'kl')
+  assert len(np.unique(np.asarray(out.depth))) > 2  # ragged exits
+  _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
