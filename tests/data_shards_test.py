@@ -255,3 +255,18 @@ def test_errors(tmp_path, monkeypatch):
   with pytest.raises(DataError, match='is a file'):
     prepare(text_cfg(corpus), tmp_path / 'a_file')
   assert (tmp_path / 'a_file').read_text() == 'keep me'
+
+
+def test_train_bpe_learns_from_training_documents_only(tmp_path, monkeypatch):
+  """--tokenizer=train on a hash-split corpus: the BPE sample is the documents the split
+  keeps for training, in order, none of the held-out (validation) ones."""
+  corpus = write_corpus(tmp_path / 'c.jsonl', 120)
+  docs = [json.loads(line)['text'] for line in open(corpus, encoding='utf-8')]
+  seen, real = [], tokenizer_lib.get
+  monkeypatch.setattr(tokenizer_lib, 'get', lambda spec, d, v, *a, **kw: (
+      seen.append(list(d)), real(spec, d, v, *a, **kw))[1])
+  cfg = text_cfg(corpus, val_fraction=0.2)
+  prepare(cfg, tmp_path / 'out')
+  held = shards.is_val(cfg.seed, np.arange(len(docs)), 0.2)
+  assert 10 < held.sum() < 40
+  assert seen[0] == [d for d, v in zip(docs, held) if not v]

@@ -221,8 +221,12 @@ def _tokenizer(cfg, out: pathlib.Path, vocab_size: int, tokenizer_docs: int):
     return tokenizer_lib.get(str(saved), [], vocab_size)
   docs = []
   if cfg.tokenizer == tokenizer_lib.TRAIN:
+    # training documents only: a hash-split part's held-out documents are the validation
+    # set (positions as `prepare` numbers the chained parts)
     _, parts = document_parts(cfg)
-    docs = list(itertools.islice((d for p in parts if p.split != 'val' for d in p.docs),
+    hinted = enumerate((p.split, d) for p in parts for d in p.docs)
+    docs = list(itertools.islice((d for i, (split, d) in hinted if split == 'train' or (
+        split is None and not is_val(cfg.seed, np.asarray([i]), cfg.val_fraction)[0])),
                                  tokenizer_docs))
     print(f'training a byte-level BPE (vocab {vocab_size}) on the first {len(docs)} '
           f'documents (--tokenizer_docs={tokenizer_docs})', flush=True)
