@@ -191,6 +191,8 @@ def _build_data_here(cfg: Config, workdir: str):
   from elastic_depth import data as data_lib  # pylint: disable=g-import-not-at-top
   tok_file = os.path.join(workdir, 'tokenizer.json')
   had_tok = os.path.exists(tok_file)
+  if data_lib.sources.source_of(cfg.data) == data_lib.Source.TEXT and cfg.data.val_paths:
+    data_lib.sources.check_disjoint(cfg.data.paths, cfg.data.val_paths)
   try:
     return data_lib.build(cfg.data, seq_len=cfg.train.seq_len,
                           batch_size=cfg.train.batch_size // jax.process_count(),

@@ -1,5 +1,6 @@
 """Tests of prepare_data (shards.py): streaming shards, the index, resume and errors."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -203,20 +204,21 @@ def test_synthetic_ops_are_part_of_the_settings_and_older_indexes_read_the_defau
     prepare(syn(synth_num_ops=2), out)
 
 
-def test_validation_files_are_never_training_files(tmp_path):
-  """data.paths (a directory or glob) that also names a data.val_paths file is refused,
-  in memory and when preparing shards."""
+def test_validation_files_are_never_training_files(tmp_path, make_config):
+  """data.paths (a directory or glob) that also names a data.val_paths file is refused
+  where a run trains (pretraining, prepare_data); scoring a frozen model may name one file
+  twice (its data.paths are not trained on)."""
+  from elastic_depth import train  # pylint: disable=g-import-not-at-top
   (tmp_path / 'd').mkdir()
   write_corpus(tmp_path / 'd' / 'train.jsonl', 30)
   val = write_corpus(tmp_path / 'd' / 'val.jsonl', 10, seed=1)
   for paths in (tmp_path / 'd', f'{tmp_path}/d/*.jsonl'):
     cfg = text_cfg(paths, val_paths=str(val))
     with pytest.raises(DataError, match=r'share 1 file\(s\) \(.*val.jsonl\).*trained on'):
-      sources.load_text(cfg)
+      train._build_data_here(dataclasses.replace(make_config(), data=cfg), str(tmp_path / "wd"))
     with pytest.raises(DataError, match='share 1 file'):
       prepare(cfg, tmp_path / 'out')
-  assert len(sources.load_text(text_cfg(tmp_path / 'd' / 'train.jsonl',
-                                        val_paths=str(val))).val) == 10
+  assert len(sources.load_text(text_cfg(val, val_paths=str(val))).val) == 10
 
 
 def test_errors(tmp_path, monkeypatch):

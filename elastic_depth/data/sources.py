@@ -164,7 +164,8 @@ def capped(docs: Iterator[str], cfg) -> list[str]:
 
 def check_disjoint(paths: str, val_paths: str) -> None:
   """DataError if data.paths and data.val_paths name a file in common (the validation
-  documents would be trained on)."""
+  documents would be trained on): checked where a run trains (pretrain, prepare_data), not
+  where a frozen model is scored."""
   val = {p.resolve() for p in expand_paths(val_paths, 'data.val_paths')}
   shared = sorted(str(p) for p in expand_paths(paths) if p.resolve() in val)
   if shared:
@@ -206,8 +207,6 @@ def load_text(cfg) -> Corpus:
   """Local .txt/.jsonl/.parquet files; validation from val_paths or a val_fraction split."""
   if not cfg.paths:
     raise DataError('data.source=text needs --config.data.paths=FILE|GLOB|A,B,...')
-  if cfg.val_paths:
-    check_disjoint(cfg.paths, cfg.val_paths)
   docs = read_documents(cfg.paths, cfg)
   if cfg.val_paths:
     return Corpus(docs, read_documents(cfg.val_paths, cfg, 'data.val_paths'), cfg.paths)
