@@ -311,12 +311,11 @@ def _families(name: str) -> list:
   return out
 
 
-def _exact_curve(res: Mapping, name: str, c: Mapping, exact: str) -> Optional[Mapping]:
-  """The exact check's curve in the semantics of curve c (named `name`): its recorded
-  schedule's (`frontier.policy_curve`), else the name's '@<semantics>' suffix; the sweep
-  names it '<exact>@<semantics>', or '<exact>' in parallel semantics."""
-  sem = c['schedule']['semantics'] if 'schedule' in c else (
-      name.split('@', 1)[1] if '@' in name else 'parallel')
+def _exact_curve(res: Mapping, c: Mapping, exact: str) -> Optional[Mapping]:
+  """The exact check's curve in the semantics of curve c (its recorded schedule,
+  `frontier.policy_curve`), named as the sweep names it: '<exact>@<semantics>', or
+  '<exact>' in parallel semantics."""
+  sem = c['schedule']['semantics']
   return res['curves'].get(exact if sem == 'parallel' else f'{exact}@{sem}')
 
 
@@ -349,7 +348,7 @@ def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
   for name, c in res['curves'].items():
     if 'mean_heads' not in c:
       continue
-    ref = _exact_curve(res, name, c, exact)
+    ref = _exact_curve(res, c, exact)
     h = res['headline'].get(name, {})
     cap = h.get('ref_loss', np.inf) + h.get('delta', 0.0)
     cost_135m = curve_costs(c, big, SEQ_135M)
@@ -360,7 +359,7 @@ def check_books(res: Mapping, mcfg: config_lib.ModelConfig, seq_len: int,
   for fam, names in families.items():
     members = [n for n in names if n in out]
     pts = [res['curves'][n] for n in members]
-    ref = _exact_curve(res, fam, pts[0], exact)
+    ref = _exact_curve(res, pts[0], exact)
     h = res['headline'].get(members[0], {})
     cost = [x for n in members for x in out[n]['cost']]
     cost_135m = [x for n in members for x in out[n]['cost_135m']]

@@ -1,11 +1,11 @@
 """Tests for elastic_depth.attention: RoPE and the causal attentions, against float64 numpy."""
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import jaxpr_dots
 from elastic_depth import attention as attention_lib
 from elastic_depth import config as config_lib
 from elastic_depth import model as model_lib
@@ -197,12 +197,7 @@ def test_bf16_attention_accumulates_its_products_in_fp32(fn):
            q, k, v, 2, lambda i: 128, lambda i, end: jnp.ones((1, 64, end), bool)),
        'causal': lambda q, k, v: attention_lib.causal_attention(
            q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))}[fn]
-  def dots_in(jaxpr):
-    for e in jaxpr.eqns:
-      yield from [e] * (e.primitive.name == 'dot_general')
-      for sub in jax.extend.core.jaxprs_in_params(e.params):
-        yield from dots_in(sub)
-  dots = list(dots_in(jax.make_jaxpr(f)(q, kv, kv).jaxpr))
+  dots = list(jaxpr_dots(jax.make_jaxpr(f)(q, kv, kv).jaxpr))
   assert len(dots) >= 4, len(dots)  # 2 chunks x (scores, values)
   assert all(e.params['preferred_element_type'] == jnp.float32 for e in dots), [
       e.params['preferred_element_type'] for e in dots]

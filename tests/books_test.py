@@ -354,13 +354,11 @@ def test_decode_flops_match_the_compiled_decode_step(attention):
 
 
 def test_exact_curve_is_found_by_the_recorded_semantics():
-  """The exact check's curve in a curve's own semantics: its recorded schedule, else the
-  '@<semantics>' of its name."""
+  """The exact check's curve in a curve's own semantics, from its recorded schedule
+  (whatever the curve's name)."""
   exact, cached = {'loss': [1.0]}, {'loss': [2.0]}
   res = {'curves': {'kl': exact, 'kl@cached': cached}}
   sched = lambda sem: {'schedule': {'semantics': sem}}
-  assert books._exact_curve(res, 'probe', sched('cached'), 'kl') is cached
-  assert books._exact_curve(res, 'probe', sched('parallel'), 'kl') is exact
-  assert books._exact_curve(res, 'probe@cached', {}, 'kl') is cached  # older results
-  assert books._exact_curve(res, 'probe', {}, 'kl') is exact
-  assert books._exact_curve({'curves': {'kl': exact}}, 'p', sched('cached'), 'kl') is None
+  assert books._exact_curve(res, sched('cached'), 'kl') is cached
+  assert books._exact_curve(res, sched('parallel'), 'kl') is exact
+  assert books._exact_curve({'curves': {'kl': exact}}, sched('cached'), 'kl') is None

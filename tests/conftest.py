@@ -39,6 +39,7 @@ _CREATED_CACHE = _share_compilations()
 
 import filelock  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.extend  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -99,13 +100,27 @@ def random_batch(cfg: config_lib.Config, seed: int, batch_size=None, mask_frac=0
               targets=rng.integers(0, v, shape).astype(np.int32), mask=mask)
 
 
-def kl_np(h_new, h_old, w):
-  """KL(p_new || p_old) per row in float64."""
-  a = np.asarray(h_new, np.float64) @ np.asarray(w, np.float64).T
-  b = np.asarray(h_old, np.float64) @ np.asarray(w, np.float64).T
+def kl_logits_np(logits_new, logits_old):
+  """KL(p_new || p_old) over the last axis of two logit arrays, in float64."""
+  a, b = (np.asarray(x, np.float64) for x in (logits_new, logits_old))
   la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
   lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
   return np.sum(np.exp(la) * (la - lb), axis=-1)
+
+
+def kl_np(h_new, h_old, w):
+  """KL(p_new || p_old) per row in float64, from hidden states and the head w [V, D]."""
+  w = np.asarray(w, np.float64)
+  return kl_logits_np(np.asarray(h_new, np.float64) @ w.T, np.asarray(h_old, np.float64) @ w.T)
+
+
+def jaxpr_dots(jaxpr):
+  """Every dot_general equation of a jaxpr, its sub-jaxprs' (cond, while, scan, ...) too."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from jaxpr_dots(sub)
 
 
 def nll_np(logits, targets):

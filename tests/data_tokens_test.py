@@ -7,6 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from conftest import nll_np
 from elastic_depth import config as config_lib
 from elastic_depth.config import DataConfig
 from elastic_depth.data import pipeline, shards, tokenizer as tokenizer_lib
@@ -173,9 +174,7 @@ def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
   key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
       jax.random.key(cfg.train.seed), 0x1a17), 0), 0)  # step 0, micro-batch 0 (train_test)
   s, _ = mdl.core_step(mdl.initial_state(e, key, pos), mdl.inject(e), pos)
-  logits = np.asarray(mdl.logits(mdl.decode_state(s, pos)[0]), np.float64)
-  logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-  nll = -np.take_along_axis(logp, host['targets'][..., None], axis=-1)[..., 0]
+  nll = nll_np(mdl.logits(mdl.decode_state(s, pos)[0]), host['targets'])
   want = float((nll * host['mask']).sum() / host['mask'].sum())
   with open(tmp_path / 'wd' / 'metrics.jsonl', encoding='utf-8') as f:
     first = next(r for r in map(json.loads, f) if r.get('step') == 1 and 'train/loss' in r)

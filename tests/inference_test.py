@@ -3,13 +3,13 @@
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, safe_eps
+from conftest import (attend_list, exit_model_config, jaxpr_dots, kl_np, median_kl_cfg,
+                      safe_eps)
 from elastic_depth import config, decoding, inference, losses, model as model_lib
 from elastic_depth.kernels import kl_halting
 
@@ -308,15 +308,8 @@ def test_score_refuses_ids_out_of_the_vocabulary_and_a_nan_eps():
 
 def _head_dots(jaxpr, v: int, d: int) -> list:
   """Operand dtypes of every dot in a jaxpr (sub-jaxprs included) with a [V, D] operand."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
-      shapes = [tuple(x.aval.shape) for x in eqn.invars]
-      if (v, d) in shapes or (d, v) in shapes:
-        out.append(tuple(str(x.aval.dtype) for x in eqn.invars))
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      out += _head_dots(sub, v, d)
-  return out
+  return [tuple(str(x.aval.dtype) for x in e.invars) for e in jaxpr_dots(jaxpr)
+          if {(v, d), (d, v)} & {tuple(x.aval.shape) for x in e.invars}]
 
 
 @pytest.mark.parametrize('policy', ['kl', 'reverse_kl', 'confidence'])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import exit_model_config, safe_eps
+from conftest import exit_model_config, kl_logits_np, safe_eps
 from decoding_test import brute_cached
 from elastic_depth import books, config, decoding, inference, kl_probe, model as model_lib
 from elastic_depth import policies
@@ -170,14 +170,6 @@ def test_harvest_equals_the_engines_per_loop_trace(setup):
   np.testing.assert_array_equal(h.loops_N, np.concatenate(loops))
 
 
-def _kl_rows_np(logits_new, logits_old):
-  """KL(p_new || p_old) per row of two logit arrays, in float64."""
-  a, b = (np.asarray(x, np.float64) for x in (logits_new, logits_old))
-  la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
-  lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
-  return np.sum(np.exp(la) * (la - lb), axis=-1)
-
-
 def test_exit_harvest_keeps_the_loops_each_token_ran(setup):
   """exit_eps: pairs from a run under the KL exit (masked engine) are its tokens' loops
   2..depth, after the uniform run's, each with the token's state and change at that loop
@@ -205,7 +197,8 @@ def test_exit_harvest_keeps_the_loops_each_token_ran(setup):
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h.delta_NxD[n0:], [state(i, r, c) - state(i - 1, r, c)
                                                 for i, r, c in ran], rtol=1e-4, atol=1e-5)
-  kl = [_kl_rows_np(capped[i - 1].logits[r, c], capped[i - 2].logits[r, c]) for i, r, c in ran]
+  kl = [kl_logits_np(capped[i - 1].logits[r, c], capped[i - 2].logits[r, c])
+        for i, r, c in ran]
   want = np.maximum(np.log(kl), kl_probe.LOG_FLOOR)
   np.testing.assert_allclose(h.log_kl_N[n0:], want, atol=1e-3, rtol=1e-3)
 
