@@ -67,20 +67,15 @@ def _ungroup(o_BxGxMxLxK) -> jax.Array:
   return o_BxGxMxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * rep, kd)
 
 
-def _scaled_group_major(q_BxLxHxK, g: int) -> jax.Array:
-  """The queries group-major ([B, G, M, L, K]) and scaled by K^-1/2."""
-  scale = jnp.asarray(q_BxLxHxK.shape[-1] ** -0.5, q_BxLxHxK.dtype)
-  return _group_major(q_BxLxHxK, g) * scale
-
-
 def _chunk_scores(qs_BxGxMxLxK, k_BxGxSxK, i: int, w: int, end: int):
-  """Chunk i of w scaled queries as [B, G, M w, K] and its fp32 scores over the keys
-  [:end] (unmasked)."""
+  """Chunk i of w group-major queries as [B, G, M w, K] and its fp32 scores (scaled by
+  K^-1/2 in fp32, so no bf16 rounding of the scaled queries) over the keys [:end]
+  (unmasked)."""
   b, g, rep, _, kd = qs_BxGxMxLxK.shape
   q_BxGxQxK = qs_BxGxMxLxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
   s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
                          preferred_element_type=jnp.float32)
-  return q_BxGxQxK, s_BxGxQxS
+  return q_BxGxQxK, s_BxGxQxS * kd ** -0.5
 
 
 def _causal_see(i: int, w: int, rep: int) -> jax.Array:
@@ -96,7 +91,7 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   batched matmul (no repeated keys/values). Chunk i's queries meet the keys [:key_end(i)]
   where see(i, end) ([B or 1, C / n, end] bool) is true.
   """
-  qs_BxGxMxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
+  qs_BxGxMxCxK = _group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
   rep, w = qs_BxGxMxCxK.shape[2], qs_BxGxMxCxK.shape[3] // n
   outs = []
   for i in range(n):
@@ -115,11 +110,11 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
 
 
 def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
-  """Scaled queries [B, G, M, C, K] (the M = H / G query heads of a kv head) and their fp32
-  scores over k, -inf where not see_BxCxS."""
-  q_BxGxMxCxK = _scaled_group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
+  """Queries [B, G, M, C, K] (the M = H / G query heads of a kv head) and their fp32 scores
+  over k (scaled by K^-1/2 in fp32), -inf where not see_BxCxS."""
+  q_BxGxMxCxK = _group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
   s_BxGxMxCxS = jnp.einsum('bgmck,bgsk->bgmcs', q_BxGxMxCxK, k_BxGxSxK,
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32) * q_BxCxHxK.shape[-1] ** -0.5
   return q_BxGxMxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxMxCxS, -jnp.inf)
 
 
@@ -149,7 +144,7 @@ def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_Bx
   """
   q_BxGxMxQxK, s_BxGxMxQxS = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
   s_BxGxMxQxN = jnp.einsum('bgmqk,bngk->bgmqn', q_BxGxMxQxK, kn_BxNxGxK.astype(q_BxQxHxK.dtype),
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32) * q_BxQxHxK.shape[-1] ** -0.5
   s_BxGxMxQxN = jnp.where(see_QxN, s_BxGxMxQxN, -jnp.inf)
   m = jnp.maximum(jnp.max(s_BxGxMxQxS, axis=-1, keepdims=True),
                   jnp.max(s_BxGxMxQxN, axis=-1, keepdims=True))
@@ -172,7 +167,7 @@ def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
   """Per query chunk: the output [B, G, M w, K], normalized after the value product, and
   its fp32 log-sum-exp [B, G, M w, 1]."""
   w = q_BxLxHxK.shape[1] // n
-  qs = _scaled_group_major(q_BxLxHxK, k_BxGxSxK.shape[1])
+  qs = _group_major(q_BxLxHxK, k_BxGxSxK.shape[1])
   rep = qs.shape[2]
   outs, lses = [], []
   for i in range(n):
@@ -215,7 +210,7 @@ def _flash_bwd(n: int, res, do_BxLxHxK):
   q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, outs, lses = res
   f32, (g, kd) = jnp.float32, (k_BxGxSxK.shape[1], q_BxLxHxK.shape[-1])
   w, scale = q_BxLxHxK.shape[1] // n, kd ** -0.5
-  qs = _scaled_group_major(q_BxLxHxK, g)
+  qs = _group_major(q_BxLxHxK, g)
   dos = _group_major(do_BxLxHxK.astype(f32), g)
   dk_BxGxSxK, dv_BxGxSxK = jnp.zeros(k_BxGxSxK.shape, f32), jnp.zeros(v_BxGxSxK.shape, f32)
   dqs = []
@@ -227,13 +222,15 @@ def _flash_bwd(n: int, res, do_BxLxHxK):
     p_BxGxQxS = jnp.where(see_QxS, jnp.exp(s_BxGxQxS - lses[i]), 0.0)
     dp_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', do_BxGxQxK, v_BxGxSxK[:, :, :end],
                             preferred_element_type=f32)
-    ds_BxGxQxS = p_BxGxQxS * (dp_BxGxQxS - jnp.sum(do_BxGxQxK * outs[i], -1, keepdims=True))
+    # the gradient of the unscaled scores q.k (the forward scales them by K^-1/2)
+    ds_BxGxQxS = p_BxGxQxS * (dp_BxGxQxS - jnp.sum(do_BxGxQxK * outs[i], -1,
+                                                   keepdims=True)) * scale
     dv_BxGxSxK = dv_BxGxSxK.at[:, :, :end].add(
         jnp.einsum('bgqs,bgqk->bgsk', p_BxGxQxS, do_BxGxQxK))
     dk_BxGxSxK = dk_BxGxSxK.at[:, :, :end].add(
         jnp.einsum('bgqs,bgqk->bgsk', ds_BxGxQxS, q_BxGxQxK, preferred_element_type=f32))
     dqs.append(jnp.einsum('bgqs,bgsk->bgqk', ds_BxGxQxS, k_BxGxSxK[:, :, :end],
-                          preferred_element_type=f32) * scale)
+                          preferred_element_type=f32))
   dq = _token_major(dqs, q_BxLxHxK.shape[2] // g)
   return (dq.astype(q_BxLxHxK.dtype), dk_BxGxSxK.astype(k_BxGxSxK.dtype),
           dv_BxGxSxK.astype(v_BxGxSxK.dtype))

@@ -207,6 +207,29 @@ def check_model_config(saved: dict, cfg: ModelConfig, where: str) -> None:
                           f'config ({lines}); use the matching flags or another workdir')
 
 
+# Settings that shape the training stream: changing one on --resume continues a different
+# run than the one checkpointed (the model's own fields are refused by check_model_config).
+STREAM_FIELDS = {'data': None, 'depth': None,
+                 'train': ('seed', 'batch_size', 'seq_len', 'grad_accum', 'tokens_per_step')}
+
+
+def changed_stream_settings(saved: dict, cfg: Config) -> list[str]:
+  """'section.field: checkpoint=.. vs config=..' for every STREAM_FIELDS setting that differs.
+
+  A field the checkpoint does not record is compared as its default.
+  """
+  now = json.loads(json.dumps(dataclasses.asdict(cfg)))
+  default = json.loads(json.dumps(dataclasses.asdict(Config())))
+  out = []
+  for section, fields in STREAM_FIELDS.items():
+    was = saved.get(section, {})
+    for k in fields or sorted(now[section]):
+      a, b = was.get(k, default[section][k]), now[section][k]
+      if a != b:
+        out.append(f'{section}.{k}: checkpoint={a!r} vs config={b!r}')
+  return out
+
+
 def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
   """Reads only the JSON metadata of a checkpoint."""
   out = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))

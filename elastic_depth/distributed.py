@@ -109,6 +109,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(None, BATCH_AXES))
 
 
+def agree_signal(signum: Optional[int]) -> Optional[int]:
+  """The signal any process has seen (None when none has), the same on every process.
+
+  Signals reach the hosts of a job at different instants; acting on each process's own
+  flag would send one process into the collective checkpoint save while another runs the
+  next collective step, and both would wait forever. Every process must call this at the
+  same points (one small all-gather each; nothing when there is one process).
+  """
+  if jax.process_count() == 1:
+    return signum
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  seen = np.asarray(multihost_utils.process_allgather(np.int32(signum or 0)))
+  return int(seen.max()) or None
+
+
+def shard_rows(batch: dict, mesh: Mesh) -> dict:
+  """This process's [B_local, L] rows of 'inputs', 'targets', 'mask' as global arrays."""
+  sharding = NamedSharding(mesh, P(BATCH_AXES))
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k]))
+          for k in ('inputs', 'targets', 'mask')}
+
+
 def shard_batch(batch, mesh: Mesh, accum: int):
   """Stacks this process's host batches to [A, B_local, L] and makes global arrays."""
   sharding = batch_sharding(mesh)

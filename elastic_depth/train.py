@@ -125,14 +125,21 @@ def make_eval_step(graphdef, cfg: Config) -> Callable:
   return eval_step
 
 
-def evaluate(eval_step, params, batches, depths) -> dict[int, float]:
-  """Mean validation NLL (nats/token) at each uniform depth."""
+def evaluate(eval_step, params, batches, depths, mesh: Optional[Mesh] = None
+             ) -> dict[int, float]:
+  """Mean validation NLL (nats/token) at each uniform depth.
+
+  With a mesh, batches are this process's rows of global batches (Data.val_batches), so
+  the validation set does not depend on the number of processes; without one, every
+  batch is whole and the same on every process.
+  """
   out = {}
   for d in depths:
     tot = cnt = 0.0
     for b in batches:
-      s, c = eval_step(params, {k: b[k] for k in ('inputs', 'targets', 'mask')},
-                       jnp.int32(d))
+      b = (distributed.shard_rows(b, mesh) if mesh is not None else
+           {k: b[k] for k in ('inputs', 'targets', 'mask')})
+      s, c = eval_step(params, b, jnp.int32(d))
       tot, cnt = tot + float(s), cnt + float(c)
     out[int(d)] = tot / max(cnt, 1.0)
   return out
@@ -247,8 +254,13 @@ def preflight(cfg: Config, workdir: str, resume: bool):
   found = checkpoint.latest_meta(mngr) if steps else None
   if found is not None:  # before building data or compiling anything
     where = f'{mngr.directory}/{found[0]}'
-    checkpoint.check_model_config(found[1].get('config', {}).get('model', {}), cfg.model,
-                                  where)
+    saved = found[1].get('config', {})
+    checkpoint.check_model_config(saved.get('model', {}), cfg.model, where)
+    changed = checkpoint.changed_stream_settings(saved, cfg)
+    if changed:
+      print(f'--resume: warning: {where} was trained with other data/depth/batch settings; '
+            'the run continues, but not as the uninterrupted run would: '
+            + '; '.join(changed), flush=True)
   ds = _build_data(cfg, workdir)
   if found is not None:
     checkpoint.check_tokenizer(found[1].get('tokenizer'), ds.tokenizer, where)
@@ -329,8 +341,10 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
                   'tokenizer': r.tok_info, 'skipped': skips}
   skips, summary, saved = r.skips, {}, r.start
   for step in range(r.start, t.steps):
-    if pre.signum is not None and step == saved:  # signalled before this session's first step
-      print(f'\npreempted by signal {pre.signum} before step {step + 1}: nothing new to '
+    # signalled before this session's first step or during a save: every process agrees
+    sig = distributed.agree_signal(pre.signum) if step == saved else None
+    if sig is not None:
+      print(f'\npreempted by signal {sig} before step {step + 1}: nothing new to '
             'save, exiting', flush=True)
       return {**summary, 'preempted_at': step}, skips
     batch = distributed.shard_batch([next(r.ds.train_iter) for _ in range(accum)], r.mesh,
@@ -356,10 +370,11 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
       _bad_step(r, done, m, skips)
     bar.update(1)
     if done % t.eval_every == 0 or done == t.steps:
-      val_loss = evaluate(eval_step, r.state.params, val, depths)
+      val_loss = evaluate(eval_step, r.state.params, val, depths, r.mesh)
       writer.write(done, {f'loss_r{d}': v for d, v in val_loss.items()}, 'val/')
       summary = {**summary, 'step': done, 'val_loss': val_loss}
-    sig = pre.signum  # read once: a signal arriving later is seen at the next step
+    # read once, agreed by every process: a signal arriving later is seen at the next step
+    sig = distributed.agree_signal(pre.signum)
     if done % t.ckpt_every == 0 or done == t.steps or sig is not None:
       checkpoint.save(r.mngr, done, r.state, meta(), force=True)
       saved = done

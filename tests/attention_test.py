@@ -202,3 +202,39 @@ def test_bf16_attention_accumulates_its_products_in_fp32(fn):
   assert all(e.params['preferred_element_type'] == jnp.float32 for e in dots), [
       e.params['preferred_element_type'] for e in dots]
   assert f(q, kv, kv).dtype == jnp.bfloat16
+
+
+def _causal_f64(q, k, v):
+  """Causal softmax attention in float64 ([B, L, H, K] queries, [B, L, G, K] keys/values)."""
+  b, l, h, kd = q.shape
+  rep = h // k.shape[2]
+  s = np.einsum('bqhk,bshk->bhqs', q, np.repeat(k, rep, axis=2)) / np.sqrt(kd)
+  s = np.where(np.tril(np.ones((l, l), bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum('bhqs,bshk->bqhk', p, np.repeat(v, rep, axis=2))
+
+
+@pytest.mark.parametrize('fn', ['causal', 'grouped', 'masked', 'plus'])
+def test_bf16_scores_are_scaled_in_fp32_at_head_dim_32(fn):
+  """At head_dim 32 K^-1/2 is not a power of two: scaling the bf16 queries would round them
+  a second time, which large scores (|s| ~ 40 here) turn into visible probability errors.
+  Every attention matches float64 on the bf16 inputs to the output's bf16 rounding."""
+  b, l, h, g, kd = 2, 16, 4, 2, 32
+  rng = np.random.default_rng(5)
+  q, k, v = (jnp.asarray(rng.normal(size=(b, l, n, kd)) * sc, jnp.bfloat16)
+             for n, sc in ((h, 4.0), (g, 4.0), (g, 1.0)))
+  kg, vg = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  causal = jnp.asarray(np.tril(np.ones((l, l), bool))[None].repeat(b, 0))
+  f = {'causal': lambda: attention_lib.causal_attention(q, k, v),
+       'grouped': lambda: attention_lib.grouped_attention(
+           q, kg, vg, 2, lambda i: (i + 1) * l // 2,
+           lambda i, end: causal[:1, i * l // 2:(i + 1) * l // 2, :end]),
+       'masked': lambda: attention_lib.masked_attention(q, kg, vg, causal),
+       'plus': lambda: attention_lib.attention_plus(
+           q, kg[:, :, :-1], vg[:, :, :-1], causal[:, :, :-1], k[:, -1:], v[:, -1:],
+           jnp.arange(l)[:, None] == l - 1)}[fn]
+  got = f64(f())
+  want = _causal_f64(f64(q), f64(k), f64(v))
+  # the bf16 output's own rounding: 2^-8 relative, plus fp32 accumulation
+  np.testing.assert_allclose(got, want, atol=2e-2, rtol=2 ** -8)

@@ -173,6 +173,24 @@ def test_model_config_check_ignores_compute_choices_and_defaults_fields_added_si
     checkpoint.check_model_config(saved, dataclasses.replace(MODEL, rope_theta=500.0), 'old')
 
 
+def test_changed_stream_settings_names_data_depth_and_batch_fields_only():
+  cfg = config_lib.Config()
+  saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
+  assert checkpoint.changed_stream_settings(saved, cfg) == []
+  now = dataclasses.replace(
+      cfg, data=dataclasses.replace(cfg.data, seed=cfg.data.seed + 1),
+      depth=dataclasses.replace(cfg.depth, mean=cfg.depth.mean + 1),
+      train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size * 2,
+                                lr=cfg.train.lr / 2, steps=cfg.train.steps + 1))
+  got = checkpoint.changed_stream_settings(saved, now)
+  assert got == [f'data.seed: checkpoint={cfg.data.seed} vs config={cfg.data.seed + 1}',
+                 f'depth.mean: checkpoint={cfg.depth.mean} vs config={cfg.depth.mean + 1}',
+                 f'train.batch_size: checkpoint={cfg.train.batch_size} vs config='
+                 f'{cfg.train.batch_size * 2}'], got  # lr and steps may change freely
+  del saved['data']['val_fraction']  # a field the checkpoint lacks is compared as its default
+  assert checkpoint.changed_stream_settings(saved, cfg) == []
+
+
 def test_tokenizer_fingerprint_sees_the_vocabulary_not_only_its_size():
   a, b = SyntheticVocab(16), SyntheticVocab(16)
   assert checkpoint.tokenizer_info(a) == checkpoint.tokenizer_info(b)

@@ -107,6 +107,18 @@ def test_val_batches_fixed_padded_and_disjoint():
   assert len(data.val_batches(10_000)) == len(everything)
 
 
+def test_val_batches_of_hosts_make_up_one_hosts_set():
+  """Hosts' rows of the global validation batches are the one-host batches, in order."""
+  one = synth_data(batch_size=8).val_batches(3)
+  hosts = [synth_data(batch_size=2, shard_index=i, shard_count=4).val_batches(3)
+           for i in range(4)]
+  assert len(one) == 3 and all(len(h) == 3 for h in hosts)
+  for k in ('inputs', 'targets', 'mask', 'difficulty'):
+    for b in range(3):
+      whole = np.concatenate([h[b][k] for h in hosts])
+      assert np.array_equal(whole, one[b][k]), (k, b)
+
+
 @needs_shared
 def test_tinystories_end_to_end_val_disjoint(tmp_path):
   cfg = DataConfig(source='text', paths=str(TINY), max_docs=300, val_fraction=0.1)
@@ -180,3 +192,63 @@ def test_curriculum_raises_k_stage_by_stage_and_resumes():
   got = next(again.train_iter)
   for key in want:
     np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_a_special_token_string_in_a_document_never_splits_it(tmp_path):
+  """Documents holding '<|endoftext|>' as text: one EOS per document (the separator
+  `pack` appends), and the stream cut at its EOS ids decodes to the documents in order."""
+  rows = [f'story {i} says <|endoftext|> then {i * 7} more<|endoftext|>' if i % 3 == 0
+          else f'story {i} is plain text' for i in range(60)]
+  for name, docs in (('train', rows[:48]), ('val', rows[48:])):
+    (tmp_path / f'{name}.jsonl').write_text(
+        ''.join(json.dumps({'text': d}) + '\n' for d in docs), encoding='utf-8')
+  cfg = DataConfig(source='text', paths=str(tmp_path / 'train.jsonl'),
+                   val_paths=str(tmp_path / 'val.jsonl'))
+  data = pipeline.build(cfg, seq_len=16, batch_size=2, vocab_size=300)
+  assert (data.stats['train_docs'], data.stats['val_docs']) == (48, 12)
+  for w, want in ((data.train_windows, rows[:48]), (data.val_windows, rows[48:])):
+    ends = np.flatnonzero(w.tokens_N == data.eos_id)
+    assert len(ends) == len(want) and ends[-1] == w.num_tokens - 1
+    pieces = np.split(w.tokens_N, ends[:-1] + 1)
+    assert [data.tokenizer.decode(p[:-1]) for p in pieces] == want
+    assert len(w) == (w.num_tokens - 1) // 16
+
+
+def test_loss_on_answers_needs_difficulty_labels(tmp_path):
+  """loss_on=answers with a text source (no difficulty labels) is refused by name, before
+  any document is read (the file does not exist)."""
+  cfg = DataConfig(source='text', paths=str(tmp_path / 'none.txt'), loss_on='answers')
+  with pytest.raises(DataError, match='data.loss_on=answers with data.source=text.*'
+                                      'loss_on=all'):
+    pipeline.build(cfg, seq_len=16, batch_size=2, vocab_size=300)
+
+
+class _ClearedByAnotherThread(dict):
+  """A cache that another thread empties right after each of this thread's operations."""
+
+  def __contains__(self, key):
+    found = super().__contains__(key)
+    self.clear()
+    return found
+
+  def get(self, key, default=None):
+    value = super().get(key, default)
+    self.clear()
+    return value
+
+  def __setitem__(self, key, value):
+    super().__setitem__(key, value)
+    self.clear()
+
+
+def test_curriculum_order_survives_a_cache_cleared_between_its_steps():
+  """Curriculum._order keeps the permutation it computed even when the shared cache is
+  cleared between its check, its store and its return (grain reads on many threads)."""
+  stage = pipeline.Windows(np.arange(41, dtype=np.int32), np.zeros(41, np.int32), 4)
+  cur = pipeline.Curriculum([stage], per_stage=5, seed=3)
+  want = [cur[n]['inputs'] for n in range(25)]  # 10 windows: 2 passes and a half
+  cur._perm = _ClearedByAnotherThread()  # pylint: disable=protected-access
+  for n in range(25):
+    np.testing.assert_array_equal(cur[n]['inputs'], want[n])
+  rng = np.random.default_rng([3, 0, 1])  # the second pass's order, as documented
+  assert [int(cur[10 + m]['inputs'][0]) // 4 for m in range(10)] == rng.permutation(10).tolist()

@@ -73,6 +73,25 @@ def test_shards_hold_every_document_then_eos_in_order(tmp_path):
   assert index['tokenizer']['fingerprint'] == tokenizer_info(tok)['fingerprint']
 
 
+def test_a_special_token_string_in_a_document_is_text_in_the_shards(tmp_path):
+  """Documents holding '<|endoftext|>' as text: each split's shards hold one EOS per
+  document, and cut at the EOS ids they decode to that split's documents in order."""
+  rows = [f'doc {i} holds <|endoftext|> inside' if i % 2 else f'doc {i} is plain'
+          for i in range(120)]
+  corpus = tmp_path / 'c.jsonl'
+  corpus.write_text(''.join(json.dumps({'text': d}) + '\n' for d in rows), encoding='utf-8')
+  index = prepare(text_cfg(corpus), tmp_path / 'out')
+  tok = tokenizer_lib.get(str(tmp_path / 'out' / 'tokenizer.json'), [], 300)
+  held = shards.is_val(0, np.arange(len(rows)), 0.1)
+  for split, want_val in (('train', False), ('val', True)):
+    want = [d for d, v in zip(rows, held) if v == want_val]
+    got = np.concatenate([np.fromfile(tmp_path / 'out' / s['file'], '<u2')
+                          for s in index['splits'][split]['shards']])
+    ends = np.flatnonzero(got == tok.eos_id)
+    assert index['splits'][split]['docs'] == len(ends) == len(want) > 0
+    assert [tok.decode(p[:-1]) for p in np.split(got, ends[:-1] + 1)] == want
+
+
 def test_hf_stream_is_prepared_whole(tmp_path, monkeypatch):
   rows = [{'text': f' row {i} '} for i in range(300)] + [{'text': '  '}]
   monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(
@@ -232,6 +251,8 @@ def test_errors(tmp_path, monkeypatch):
       (text_cfg(corpus, source='tokens'), 'already token ids'),
       (text_cfg(tmp_path / 'nope.jsonl'), 'no such file'),
       (DataConfig(source='hf', hf_name='a/b'), 'optional `datasets` package'),
+      (text_cfg(corpus, loss_on='answers'), 'data.loss_on=answers: prepared shards hold '
+                                            'token ids only.*data.source=tokens'),
   ]
   tokenizer_lib.get('train', ['fine bad byte'] * 10, 290).save(tmp_path / 'tok.json')
   monkeypatch.setitem(sys.modules, 'datasets', None)

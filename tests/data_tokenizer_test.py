@@ -5,6 +5,8 @@ import pathlib
 
 import numpy as np
 import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from elastic_depth.data import synthetic
 from elastic_depth.data import tokenizer as tokenizer_lib
@@ -33,7 +35,8 @@ def test_train_saves_reuses_and_is_deterministic(tmp_path):
   ids = tok.encode_batch(DOCS[:3])
   assert all(x.dtype == np.int32 and x.max() < tok.vocab_size for x in ids)
   assert [tok.decode(x) for x in ids] == DOCS[:3]
-  assert tok.encode_batch(['a<|endoftext|>b'])[0].tolist().count(tok.eos_id) == 1
+  literal = tok.encode_batch(['a<|endoftext|>b'])[0]  # text, not EOS (see below)
+  assert tok.eos_id not in literal and tok.decode(literal) == 'a<|endoftext|>b'
 
 
 @needs_shared
@@ -57,7 +60,10 @@ def test_gpt2_files():
   ids = tok.encode_batch([doc, 'Hello world'])
   assert tok.decode(ids[0]) == doc
   assert ids[1].tolist() == [15496, 995]  # GPT-2 ids of 'Hello', ' world'
-  assert tok.encode_batch(['x<|endoftext|>'])[0].tolist()[-1] == 50256
+  # the literal is text: GPT-2's byte-level pieces of it, read from vocab.json
+  vocab = json.loads((GPT2 / 'vocab.json').read_text('utf-8'))
+  assert tok.encode_batch(['x<|endoftext|>'])[0].tolist() == [
+      vocab[p] for p in ('x', '<', '|', 'end', 'of', 'text', '|', '>')]
 
 
 @needs_shared
@@ -110,20 +116,65 @@ def test_token_classes_cached_and_special():
       'other', 'punctuation', 'numeral', 'word']
 
 
-def test_vocab_size_is_the_highest_id_plus_one(tmp_path):
-  """A tokenizer.json whose ids leave gaps needs max id + 1 embedding rows, not its count of
-  entries: ids 0, 2, 9 (and the added EOS) do not fit a model vocabulary of 8."""
+def word_level(tmp_path, pre_tokenizer: str, vocab: dict) -> pathlib.Path:
+  """tokenizer.json of a WordLevel model with '<|endoftext|>' as its special token 3."""
   path = tmp_path / 'tokenizer.json'
   path.write_text(json.dumps({
       'version': '1.0', 'truncation': None, 'padding': None, 'normalizer': None,
-      'pre_tokenizer': {'type': 'Whitespace'}, 'post_processor': None, 'decoder': None,
+      'pre_tokenizer': {'type': pre_tokenizer}, 'post_processor': None, 'decoder': None,
       'added_tokens': [{'id': 3, 'content': '<|endoftext|>', 'single_word': False,
                         'lstrip': False, 'rstrip': False, 'normalized': False,
                         'special': True}],
-      'model': {'type': 'WordLevel', 'vocab': {'a': 0, 'b': 9, '[UNK]': 2},
-                'unk_token': '[UNK]'}}))
+      'model': {'type': 'WordLevel', 'vocab': vocab, 'unk_token': '[UNK]'}}))
+  return path
+
+
+def test_vocab_size_is_the_highest_id_plus_one(tmp_path):
+  """A tokenizer.json whose ids leave gaps needs max id + 1 embedding rows, not its count of
+  entries: ids 0, 2, 9 (and the added EOS) do not fit a model vocabulary of 8."""
+  path = word_level(tmp_path, 'Whitespace', {'a': 0, 'b': 9, '[UNK]': 2})
   with pytest.raises(DataError, match=r'\(10 tokens.*model.vocab_size=8'):
     tokenizer_lib.get(str(path), [], 8)
   tok = tokenizer_lib.get(str(path), [], 10)
   assert tok.vocab_size == 10
   assert max(tok.encode_batch(['a b a'])[0]) == 9 < tok.vocab_size
+
+
+def special_bpe(tmp_path) -> pathlib.Path:
+  """tokenizer.json of a byte-level BPE (as tokenizer.py trains one) with two special tokens."""
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(DOCS, trainers.BpeTrainer(
+      vocab_size=400, special_tokens=['<|endoftext|>', '<|im_start|>'], show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(tmp_path / 'tokenizer.json'))
+  return tmp_path / 'tokenizer.json'
+
+
+@pytest.mark.parametrize('which', ['gpt2', 'train', 'file'])
+def test_special_token_strings_in_a_document_are_text(which, tmp_path):
+  """A document holding a special token's text (EOS or another) encodes to no special id
+  and decodes back to itself: only the separator the pipeline appends is EOS."""
+  if which == 'gpt2' and not GPT2.is_dir():
+    pytest.skip(f'{GPT2} absent')
+  spec = {'gpt2': str(GPT2), 'train': 'train', 'file': str(special_bpe(tmp_path))}[which]
+  tok = tokenizer_lib.get(spec, DOCS, 50304 if which == 'gpt2' else 400)
+  specials = ['<|endoftext|>'] + (['<|im_start|>'] if which == 'file' else [])
+  assert {tok.id_to_token(i) for i in tok.special_ids} == set(specials)
+  docs = [f'He typed {s} and went on.' for s in specials] + [
+      '<|endoftext|><|endoftext|>', 'x<|endoftext|', ' <|endoftext|>\n']
+  for doc, ids in zip(docs, tok.encode_batch(docs)):
+    assert not set(ids.tolist()) & tok.special_ids, (doc, ids)
+    assert tok.decode(ids) == doc
+
+
+def test_a_special_string_only_encodable_as_itself_is_refused(tmp_path):
+  """A word-level vocabulary that holds '<|endoftext|>' as a word has no other encoding of
+  it: the document is refused (naming the token and the text) rather than split."""
+  vocab = {'a': 0, 'b': 1, '[UNK]': 2, '<|endoftext|>': 3}
+  tok = tokenizer_lib.get(str(word_level(tmp_path, 'WhitespaceSplit', vocab)), [], 8)
+  assert tok.encode_batch(['a b a'])[0].tolist() == [0, 1, 0]
+  with pytest.raises(DataError, match=r"encodes to the EOS id 3 .*split.*"
+                                      r"text: 'b a <\|endoftext\|> b'"):
+    tok.encode_batch(['a b', 'b a <|endoftext|> b'])

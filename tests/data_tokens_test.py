@@ -146,6 +146,18 @@ def test_errors(tmp_path):
     pipeline.build(cfg, **kw)
 
 
+def test_loss_on_answers_is_refused_before_the_directory_is_read(tmp_path):
+  """Prepared shards carry no difficulty labels: loss_on=answers (which would silently
+  train on every token) is refused, naming both settings, before the shards are opened."""
+  kw = dict(seq_len=16, batch_size=4, vocab_size=300)
+  for paths in (str(tmp_path / 'none'), str(synth_prepared(tmp_path / 's').paths)):
+    cfg = DataConfig(source='tokens', paths=paths, loss_on='answers')
+    with pytest.raises(DataError, match='data.loss_on=answers with data.source=tokens.*'
+                                        'prepared shards hold token ids only.*loss_on=all'):
+      pipeline.build(cfg, **kw)
+  assert pipeline.build(DataConfig(source='tokens', paths=paths), **kw).train_windows
+
+
 def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
   from elastic_depth import train  # pylint: disable=g-import-not-at-top
   data = synth_prepared(tmp_path / 's')

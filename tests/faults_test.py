@@ -292,6 +292,11 @@ def test_resume_past_train_steps_is_refused_and_at_them_keeps_the_summary(refere
   out = run(wd, '--resume')
   assert out.returncode == 0, out.stderr[-3000:]
   assert f'at train.steps={STEPS} already; nothing to train' in out.stdout, out.stdout
+  assert 'other data/depth/batch settings' not in out.stdout
+  out = run(wd, '--resume', '--config.data.seed=12345')  # a changed stream is named
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'other data/depth/batch settings' in out.stdout, out.stdout
+  assert 'data.seed: checkpoint=' in out.stdout and 'vs config=12345' in out.stdout
   assert 'validation loss: depth 1 = ' in out.stdout  # the kept summary's losses
   for name, before in files.items():
     assert open(os.path.join(wd, name), 'rb').read() == before, name

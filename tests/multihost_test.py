@@ -28,7 +28,8 @@ FLAGS = [
     '--config.depth.mean=1.5', '--config.depth.r_max=2', '--config.depth.buckets=(1,2)',
     '--config.train.seq_len=16', '--config.train.batch_size=8', f'--config.train.steps={STEPS}',
     '--config.train.lr=1e-2', '--config.train.warmup_steps=2', '--config.train.log_every=1',
-    '--config.train.eval_every=1000', '--config.train.ckpt_every=10',
+    '--config.train.eval_every=10', '--config.train.eval_batches=2',
+    '--config.train.ckpt_every=10',
     '--config.train.eval_depths=(1,)', '--quiet',
 ]
 
@@ -63,13 +64,13 @@ def _wait(p, timeout=420):
   return out
 
 
-def _losses(workdir) -> dict[int, float]:
+def _losses(workdir, key='train/loss') -> dict[int, float]:
   out = {}
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
     for line in f:
       rec = json.loads(line)
-      if 'train/loss' in rec:
-        out[rec['step']] = rec['train/loss']
+      if key in rec:
+        out[rec['step']] = rec[key]
   return out
 
 
@@ -92,7 +93,8 @@ def _runs(root) -> dict:
   shutil.rmtree(os.path.join(wd['resume'], 'checkpoints', str(STEPS)))
   os.remove(os.path.join(wd['resume'], 'metrics.jsonl'))
   _wait(_start(wd['resume'], 1, ['--resume']))
-  return {k: _losses(v) for k, v in wd.items()}
+  return {**{k: _losses(v) for k, v in wd.items()},
+          **{f'{k}/val': _losses(v, 'val/loss_r1') for k, v in wd.items()}}
 
 
 def _assert_same(a: dict, b: dict, steps):
@@ -108,6 +110,9 @@ def test_two_processes_fsdp_and_a_resume_equal_one_device(tmp_path):
   _assert_same(runs['p2'], runs['d4'], range(1, STEPS + 1))
   _assert_same(runs['p2'], runs['d1'], range(1, STEPS + 1))
   assert runs['d1'][1] - runs['d1'][STEPS] > 0.05  # it trained: a real comparison
+  # the validation set (2 global batches of 8) does not shrink with two processes
+  _assert_same(runs['p2/val'], runs['d1/val'], (10, 20))
+  _assert_same(runs['p2/val'], runs['d4/val'], (10, 20))
   # fsdp equals one device
   _assert_same(runs['fsdp4'], runs['d1'], range(1, STEPS + 1))
   # the two-process checkpoint resumes on one device
@@ -143,3 +148,31 @@ def test_a_killed_peer_stops_the_other_process(tmp_path):
   assert ours == (procs[0].returncode == 3), err[-3000:]
   gloo = "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in err
   assert ours or 'another task died' in err or gloo, err[-3000:]
+
+
+def test_a_signal_to_one_process_stops_both_at_one_step(tmp_path):
+  """SIGTERM reaches one process only: both agree on the step, save it together, exit 0."""
+  port, wd = _port(), tmp_path / 'wd'
+  extra = ['--config.train.steps=100000', '--config.train.ckpt_every=100000']
+  procs = [_start(str(wd), 2, extra, (port, i)) for i in range(2)]
+  metrics = wd / 'metrics.jsonl'
+  deadline = time.time() + 300
+  while not (metrics.exists() and metrics.read_text().count('\n') >= 3):
+    assert time.time() < deadline and procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+    time.sleep(0.5)
+  procs[0].send_signal(signal.SIGTERM)
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=120))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      pytest.fail('the processes hung: they did not agree on the step to stop at')
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  stopped = [int(out.split('saved step ')[1].split(',')[0]) for out, _ in outs]
+  assert stopped[0] == stopped[1], outs
+  assert os.listdir(wd / 'checkpoints') == [str(stopped[0])]
+  with open(wd / 'summary.json', encoding='utf-8') as f:
+    assert json.load(f)['preempted_at'] == stopped[0]

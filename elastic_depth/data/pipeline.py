@@ -126,12 +126,15 @@ class Curriculum:
     return 2 ** 40  # unbounded: the last stage repeats
 
   def _order(self, j: int, rnd: int) -> np.ndarray:
-    if (j, rnd) not in self._perm:
+    """Permutation of stage j in pass rnd; one cache read and one write, so another
+    grain thread clearing the cache in between cannot lose it."""
+    perm = self._perm.get((j, rnd))
+    if perm is None:
+      perm = np.random.default_rng([self.seed, j, rnd]).permutation(len(self.stages[j]))
       if len(self._perm) > 64:
         self._perm.clear()
-      rng = np.random.default_rng([self.seed, j, rnd])
-      self._perm[(j, rnd)] = rng.permutation(len(self.stages[j]))
-    return self._perm[(j, rnd)]
+      self._perm[(j, rnd)] = perm
+    return perm
 
   def __getitem__(self, n: int) -> dict[str, np.ndarray]:
     j = min(int(n) // self.per_stage, len(self.stages) - 1)
@@ -180,10 +183,19 @@ class Data:
   train_windows: Windows
   val_windows: Windows
   stats: dict
+  shard_index: int = 0
+  shard_count: int = 1
 
   def val_batches(self, n: int | None = None) -> list[dict[str, np.ndarray]]:
-    """The first n validation batches (all when None); the same list on every call."""
-    return fixed_batches(self.val_windows, self.batch_size, n)
+    """This host's rows of the first n global validation batches (all when None).
+
+    A global batch holds batch_size * shard_count windows and host i its rows
+    [i * batch_size, (i + 1) * batch_size), so the validation set is the same for any
+    number of hosts; the same list on every call.
+    """
+    lo = self.shard_index * self.batch_size
+    return [{k: v[lo:lo + self.batch_size] for k, v in b.items()} for b in
+            fixed_batches(self.val_windows, self.batch_size * self.shard_count, n)]
 
   def describe(self) -> str:
     """One-line summary of sources, documents, tokens and windows."""
@@ -278,6 +290,7 @@ def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=N
   if not 0 <= shard_index < shard_count:
     raise DataError(f'shard_index={shard_index} not in [0, shard_count={shard_count})')
   source = sources.source_of(data_cfg)
+  sources.check_loss_on(data_cfg)
   origin, tok, train_w, val_w, stats = WINDOWS.get(source, _in_memory)(
       data_cfg, vocab_size, workdir, seq_len)
   if len(train_w) < shard_count:
@@ -296,4 +309,4 @@ def build(data_cfg, *, seq_len: int, batch_size: int, vocab_size: int, workdir=N
            'train_tokens': train_w.num_tokens, 'val_tokens': val_w.num_tokens,
            'train_windows': len(train_w)}
   return Data(batch_iterator(train_ds), tok, tok.vocab_size, tok.eos_id, seq_len, batch_size,
-              train_ds, train_w, val_w, stats)
+              train_ds, train_w, val_w, stats, shard_index, shard_count)

@@ -162,10 +162,10 @@ class Writer:
     self.next_doc = resume['doc']
     self.counts = dict(resume['tokens'])  # tokens of each split before next_doc
 
-  def add(self, split: str, ids: list[int]) -> None:
-    """Appends one document (and its EOS) to its split; skips tokens already on disk."""
+  def add(self, split: str, ids) -> None:
+    """Appends one document's ids (and its EOS) to its split; skips tokens already on disk."""
     sp = self.splits[split]
-    arr = np.asarray(ids + [self.eos_id], self.dtype)
+    arr = np.append(np.asarray(ids, self.dtype), np.asarray(self.eos_id, self.dtype))
     start = self.counts[split]
     end = start + len(arr)
     if end > sp.written:
@@ -276,6 +276,10 @@ def open_output(cfg, out, vocab_size: int, shard_tokens: int, tokenizer_docs: in
     raise DataError(f'--shard_tokens={shard_tokens} must be >= 2')
   if not 0 < cfg.val_fraction < 1:
     raise DataError(f'data.val_fraction={cfg.val_fraction} must be in (0, 1)')
+  if getattr(cfg, 'loss_on', 'all') == 'answers':
+    raise DataError('data.loss_on=answers: prepared shards hold token ids only, no difficulty '
+                    'labels, so a run on them (data.source=tokens) cannot put the loss on '
+                    'answers only; give --config.data.loss_on=all')
   old = read_index(out)
   if old is None and out.is_dir() and any(
       p.name != tokenizer_lib.TOKENIZER_FILE and not p.name.startswith('.')
@@ -345,9 +349,8 @@ def prepare(cfg, out, *, vocab_size: int, shard_tokens: int = 2**27, batch_docs:
     while batch := list(itertools.islice(stream, batch_docs)):
       pos = np.arange(writer.next_doc, writer.next_doc + len(batch))
       held = is_val(cfg.seed, pos, cfg.val_fraction)
-      for (hint, _), ids, v in zip(batch, tok.tok.encode_batch_fast([d for _, d in batch]),
-                                   held):
-        writer.add(hint or ('val' if v else 'train'), ids.ids)
+      for (hint, _), ids, v in zip(batch, tok.encode_batch([d for _, d in batch]), held):
+        writer.add(hint or ('val' if v else 'train'), ids)
       writer.flush()
       bar.update(len(batch))
       rate = (sum(writer.counts.values()) - tokens0) / max(time.time() - start, 1e-9)

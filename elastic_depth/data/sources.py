@@ -365,6 +365,17 @@ def source_of(cfg) -> Source:
                     f'{[s.value for s in Source]}') from None
 
 
+def check_loss_on(cfg) -> None:
+  """DataError for data.loss_on=answers with a source that has no difficulty labels."""
+  source = source_of(cfg)
+  if getattr(cfg, 'loss_on', 'all') == 'answers' and source != Source.SYNTHETIC:
+    held = ('prepared shards hold token ids only' if source == Source.TOKENS
+            else 'its documents are plain text')
+    raise DataError(f'data.loss_on=answers with data.source={source.value}: the loss on '
+                    f'answers needs the difficulty labels that only data.source=synthetic '
+                    f'has ({held}); give --config.data.loss_on=all')
+
+
 def load(cfg) -> Corpus:
   """Train and validation documents of the configured text-like source.
 

@@ -26,6 +26,7 @@ class HFTokenizer:
   def __init__(self, tok: tokenizers.Tokenizer, origin: str):
     if tok.token_to_id(EOS) is None or EOS not in _special_tokens(tok):
       tok.add_special_tokens([EOS])
+    tok.encode_special_tokens = True  # '<|endoftext|>' in a document is text, not EOS
     self.tok = tok
     self.origin = origin
     self.eos_id = tok.token_to_id(EOS)
@@ -38,8 +39,25 @@ class HFTokenizer:
     return max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
 
   def encode_batch(self, docs: list[str]) -> list[np.ndarray]:
-    """Token ids (int32, no EOS) of each document."""
-    return [np.asarray(e.ids, np.int32) for e in self.tok.encode_batch_fast(docs)]
+    """Token ids (int32) of each document; special-token strings in it are encoded as text.
+
+    Only the separator the pipeline appends is EOS, so a document is never split; a
+    tokenizer that can encode a document's text only as EOS raises DataError.
+    """
+    out = [np.asarray(e.ids, np.int32) for e in self.tok.encode_batch_fast(docs)]
+    for doc, ids in zip(docs, out):
+      if (ids == self.eos_id).any():
+        raise self._split_error(doc)
+    return out
+
+  def _split_error(self, doc: str) -> DataError:
+    """DataError for a document whose text encodes to the EOS id."""
+    at = max(0, doc.find(EOS))
+    return DataError(f'a document encodes to the EOS id {self.eos_id} under tokenizer '
+                     f'{self.origin} (it has no plain-text encoding of {EOS!r}, or its '
+                     f'unknown token is EOS), so the document would be split there; remove '
+                     f'that text from the corpus or use a byte-level tokenizer (text: '
+                     f'{doc[max(0, at - 40):at + len(EOS) + 40]!r})')
 
   def decode(self, ids) -> str:
     """Text of a sequence of ids (special tokens kept)."""
