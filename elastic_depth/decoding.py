@@ -319,31 +319,55 @@ def score_cached(model: LoopedLM, tokens_BxL, prompt_len: int, cfg: ExitConfig, 
   return out + (n,) if with_counts else out
 
 
-def pick(logits_BxV, pos_B, rng, temperature: float) -> jax.Array:
-  """Each row's next token: greedy, or sampled with a key of (rng, position) only.
+SAMPLING_STREAM = 1_000_003  # fold_in(rng, pos) keys initial states; samples branch off here
 
-  A row's sample does not depend on its row in the batch (one draw per row).
+
+def request_seeds(seed_B, batch: int) -> jax.Array:
+  """int32 [B] sampling seeds: seed_B (ValueError unless one integer per row), default arange(B)."""
+  if seed_B is None:
+    return jnp.arange(batch, dtype=jnp.int32)
+  if (tuple(jnp.shape(seed_B)) != (batch,)
+      or not jnp.issubdtype(jnp.result_type(seed_B), jnp.integer)):
+    raise ValueError(f'seed_B must hold one integer seed per row, shape ({batch},), got '
+                     f'{jnp.result_type(seed_B)} {jnp.shape(seed_B)}')
+  return jnp.asarray(seed_B, jnp.int32)
+
+
+def pick(logits_BxV, pos_B, rng, temperature: float, seed_B=None) -> jax.Array:
+  """Each row's next token: greedy, or sampled with a key of (rng, its seed, its position).
+
+  Row b's Gumbel noise is drawn from fold_in(fold_in(fold_in(rng, SAMPLING_STREAM),
+  seed_B[b]), pos_B[b]) alone, so its sample does not depend on its row or its batch,
+  and rows with different seeds draw independent noise.
 
   Args:
     logits_BxV: fp32 logits of each row's last token.
-    pos_B: int32 [B] position of each row's new token (its key).
+    pos_B: int32 [B] position of each row's new token.
     rng: the generation key.
     temperature: 0 for greedy; else logits / temperature are sampled.
+    seed_B: int [B] each row's sampling seed, its request's (default arange(B): the row
+      index, so a row's samples then depend on its place in the batch).
   Returns:
     int32 [B] tokens.
+  Raises:
+    ValueError for a temperature that is not finite and >= 0, or seed_B not [B] integers.
   """
   if not 0 <= temperature < float('inf'):
     raise ValueError(f'temperature={temperature} must be a finite number >= 0 (0: greedy)')
   if temperature == 0:
     return losses.argmax_rows(logits_BxV)
-  keys = jax.vmap(lambda t: jax.random.fold_in(rng, 1_000_003 + t))(pos_B)
-  gumbel_BxV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BxV.shape[1:]))(keys)
+  seed_B = request_seeds(seed_B, pos_B.shape[0])
+  stream = jax.random.fold_in(rng, SAMPLING_STREAM)
+  key = lambda s, t: jax.random.fold_in(jax.random.fold_in(stream, s), t)
+  gumbel_BxV = jax.vmap(lambda s, t: jax.random.gumbel(key(s, t), logits_BxV.shape[1:]))(
+      seed_B, pos_B)
   return losses.argmax_rows(logits_BxV / temperature + gumbel_BxV)  # the Gumbel-max draw
 
 
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              temperature: float = 0.0, router=None, with_counts: bool = False,
-             forced_BxN=None, prefill_cfg: ExitConfig | None = None, depth_BxN=None):
+             forced_BxN=None, prefill_cfg: ExitConfig | None = None, depth_BxN=None,
+             seed_B=None):
   """Samples n_new tokens (`pick`) after the prompt, one `decode_step` each.
 
   Args:
@@ -352,7 +376,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     n_new: tokens to generate per row, an int >= 0 (N = n_new).
     cfg: exit config of the decode steps.
     rng: key of the initial recurrent states and of sampling.
-    temperature: 0 for greedy, else sampling as `pick` (keys by position).
+    temperature: 0 for greedy, else sampling as `pick` (keys by seed and position).
     router: the state probe, as `decode_step`.
     with_counts: also the decode steps' Counts stacked over steps (every row runs each
       step's deepest row's loops).
@@ -361,14 +385,15 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     prefill_cfg: the prompt's exit config (default cfg), e.g. a deep prompt and a shallow
       uniform decode.
     depth_BxN: int [B, N] given depths of the n_new decode steps (`decode_step`'s depth_B).
+    seed_B: int [B] each row's (request's) sampling seed, as `pick` (default arange(B)).
   Returns:
     (tokens_BxL, depth_BxN[, nll_BxN][, counts]): int32 [B, P + n_new] the prompt then the
     new tokens, int32 [B, N] loops per new token; with forced_BxN fp32 [B, N] each forced
     token's NLL under the logits it follows; with with_counts the `inference.Counts`
     stacked over steps (batch passes and core_keys [N], per-token arrays [N, B, 1]).
   Raises:
-    ValueError for a prompt or n_new the model cannot take, or forced_BxN / depth_BxN
-    not of shape [B, N].
+    ValueError for a prompt or n_new the model cannot take, forced_BxN / depth_BxN
+    not of shape [B, N], or seed_B not [B] integers.
   """
   check_tokens(model.cfg, prompt_BxP, 'prompt', extra=n_new)
   b, p = prompt_BxP.shape
@@ -378,6 +403,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     if x is not None and tuple(jnp.shape(x)) != (b, n_new):
       raise ValueError(f'{name} must have shape ({b}, {n_new}) (rows, n_new), got '
                        f'{jnp.shape(x)}')
+  seed_B = request_seeds(seed_B, b)
   total = p + n_new
   cache, logits, _ = prefill(model, prompt_BxP, prefill_cfg or cfg, rng, total, router)
   init = initial_states(model, rng, total)
@@ -389,7 +415,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
       tok = jnp.asarray(forced_BxN, jnp.int32)[:, t - p]
       nll = (losses.nll(logits, tok),)
     else:
-      tok, nll = pick(logits, jnp.full((b,), t), rng, temperature), ()
+      tok, nll = pick(logits, jnp.full((b,), t), rng, temperature, seed_B), ()
     given = None if depth_BxN is None else jnp.asarray(depth_BxN, jnp.int32)[:, t - p]
     logits, cache, d, *n = decode_step(model, cache, tok, t, cfg, rng, router,
                                        with_counts=with_counts, init_table=init,

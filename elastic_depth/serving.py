@@ -12,31 +12,30 @@ core runs over all B rows at every step (idle rows masked), except with wait_row
 like the passes (`serving_rows.core`).
 
 Per row the semantics are exactly `decoding.generate`'s (cached semantics, the same
-initial states, exit rule, min_loops, check_every, max_loops, prefill): a row's
-tokens and depths do not depend on the other rows. Each row may carry its own eps
-(a quality tier per request). The check is decode_step's: where a row may exit (a check
-loop, and for gated_kl a state change below the gate) the coda and head read the
-loop-(i-1) and loop-i states in one pass, and a firing check's logits are the token's
-output; a token that stops at max_loops without a check at that loop gets a final
-readout. These readouts and the admission (sampling, prelude and its cache writes,
+initial states, exit rule, min_loops, check_every, max_loops, prefill, sampling keys of
+the row's request seed): a row's tokens and depths do not depend on the other rows. Each
+row may carry its own eps (a quality tier per request). The check is decode_step's: where
+a row may exit (a check loop, and for gated_kl a state change below the gate) the coda and
+head read the loop-(i-1) and loop-i states in one pass, and a firing check's logits are
+the token's output; a token that stops at max_loops without a check at that loop gets a
+final readout. These readouts and the admission (sampling, prelude and its cache writes,
 initial state) run on the rows that need them only: `compaction.on_rows` gathers those
-rows (their states, positions, logits and cache rows) into a buffer of the smallest of
-0, 1, 2, 4, ..., B slots that holds them (one lax.switch branch each), runs the pass
-there and scatters its results and fresh keys/values back (padding slots dropped). A pass
-only reads the caches (its queries attend to the cache and to their own fresh keys,
+rows (their states, positions, logits and cache rows) into a buffer of the smallest of 0,
+1, 2, 4, ..., B slots that holds them (one lax.switch branch each), runs the pass there
+and scatters its results and fresh keys/values back (padding slots dropped). A pass only
+reads the caches (its queries attend to the cache and to their own fresh keys,
 `attention.attention_plus`); the caches are written after the switch, since an XLA
 conditional that passes a cache through or scatters into it copies the whole cache (the
-passes and the carry live in `serving_rows`).
-`run(..., compact=False)` runs them over all B rows whenever any row needs them (the
-engine before compaction, a benchmark baseline). A row's readout and admission run at
-the start of the step after its exit (`_flush`); for checks that never read out
-(state_delta, uniform) every exit needs its final readout, so the readout, the pick and
-the prelude run as ONE pass over the same buffer (`_flush_fused`; `fuse=False`: two
-passes, the admission's buffer holding the rows that continue, a baseline). With
-`wait_rows` > 1 an exited row idles until that many rows wait (or none has a token in
-flight), so the passes run less often and fuller, at the price of idle core slots
-(wait_rows = B: lockstep's schedule, with each row's own depths). The Counts below
-record what executed.
+passes and the carry live in `serving_rows`). `run(..., compact=False)` runs them over all
+B rows whenever any row needs them (the engine before compaction, a benchmark baseline). A
+row's readout and admission run at the start of the step after its exit (`_flush`); for
+checks that never read out (state_delta, uniform) every exit needs its final readout, so
+the readout, the pick and the prelude run as ONE pass over the same buffer
+(`_flush_fused`; `fuse=False`: two passes, the admission's buffer holding the rows that
+continue, a baseline). With `wait_rows` > 1 an exited row idles until that many rows wait
+(or none has a token in flight), so the passes run less often and fuller, at the price of
+idle core slots (wait_rows = B: lockstep's schedule, with each row's own depths). The
+Counts below record what executed.
 
 Forced decoding (`generate(..., forced_BxN=...)`, like `decoding.generate`'s): each row's
 next token is read from the given continuation instead of picked, and its NLL under the
@@ -206,7 +205,7 @@ def _concrete(x) -> bool:
 
 
 def _check_args(model: LoopedLM, cfg: ExitConfig, prompt_BxP, n_new: int, eps_B,
-                prompt_len_B, forced_BxN) -> None:
+                prompt_len_B, forced_BxN, seed_B) -> None:
   """ValueError for arguments `start` cannot honour (values only where not traced)."""
   if ExitPolicy(cfg.policy) not in _POLICIES:
     raise ValueError(f'error: serving supports policies {[p.value for p in _POLICIES]}, '
@@ -217,12 +216,12 @@ def _check_args(model: LoopedLM, cfg: ExitConfig, prompt_BxP, n_new: int, eps_B,
   model_lib.check_tokens(model.cfg, prompt_BxP, 'prompt', extra=n_new)
   b, p = prompt_BxP.shape
   for name, x, want in (('eps_B', eps_B, (b,)), ('prompt_len_B', prompt_len_B, (b,)),
-                        ('forced_BxN', forced_BxN, (b, n_new))):
+                        ('forced_BxN', forced_BxN, (b, n_new)), ('seed_B', seed_B, (b,))):
     if x is not None and tuple(jnp.shape(x)) != want:
       raise ValueError(f'error: {name} must have shape {want}, got {jnp.shape(x)}')
-  if prompt_len_B is not None and not jnp.issubdtype(jnp.result_type(prompt_len_B),
-                                                      jnp.integer):
-    raise ValueError('error: prompt_len_B must hold integer lengths')
+  for name, x, what in (('prompt_len_B', prompt_len_B, 'lengths'), ('seed_B', seed_B, 'seeds')):
+    if x is not None and not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise ValueError(f'error: {name} must hold integer {what}')
   if _concrete(prompt_len_B) and not np.all((np.asarray(prompt_len_B) >= 1)
                                             & (np.asarray(prompt_len_B) <= p)):
     raise ValueError(f'error: prompt_len_B must lie in [1, {p}], got {np.asarray(prompt_len_B)}')
@@ -232,7 +231,7 @@ def _check_args(model: LoopedLM, cfg: ExitConfig, prompt_BxP, n_new: int, eps_B,
 
 def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
           eps_B=None, prompt_len_B=None, temperature: float = 0.0,
-          forced_BxN=None) -> State:
+          forced_BxN=None, seed_B=None) -> State:
   """Prefills the prompts (parallel semantics, per-row eps) and admits each row's first token.
 
   Args:
@@ -244,14 +243,17 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     eps_B: per-row exit thresholds, KL in nats or the relative state change by cfg.policy
       (default cfg.eps for every row).
     prompt_len_B: per-row prompt lengths (default P).
-    temperature: 0 for greedy; else sampling with decoding.generate's per-position keys.
+    temperature: 0 for greedy; else sampling with `decoding.pick`'s keys (seed, position).
     forced_BxN: forced decoding: row b's tokens after its prompt are forced_BxN[b] (at
       p_b..), not picked, and each one's NLL is recorded (`run` with forced=True).
+    seed_B: int [B] each request's sampling seed, kept in the State (`State.seed`) for
+      every admission: a row's samples depend on its prompt, eps and seed, not on its
+      batch. Default arange(B), the row index (as `decoding.generate`: rows sample apart).
   Returns:
     (State with each row's first token admitted, prompt depths [B, P], eps_B); `run`
     advances the State.
   """
-  _check_args(model, cfg, prompt_BxP, n_new, eps_B, prompt_len_B, forced_BxN)
+  _check_args(model, cfg, prompt_BxP, n_new, eps_B, prompt_len_B, forced_BxN, seed_B)
   b, p = prompt_BxP.shape
   eps_B = jnp.full((b,), cfg.eps, jnp.float32) if eps_B is None else jnp.asarray(eps_B)
   plen_B = jnp.full((b,), p, jnp.int32) if prompt_len_B is None else jnp.asarray(prompt_len_B)
@@ -275,7 +277,8 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              jnp.zeros((b, n_new), jnp.int32), init,
              Counts(zero, zero, zero, zero, zero, res.counts), jnp.zeros((b,), jnp.int32),
              jnp.zeros((b,), bool), jnp.zeros((b,), bool),
-             model.rotary(jnp.arange(p + n_new)[:, None]), jnp.zeros((b, n_new)))
+             model.rotary(jnp.arange(p + n_new)[:, None]), jnp.zeros((b, n_new)),
+             decoding.request_seeds(seed_B, b))
   pick = Pick(temperature, forced_BxN is not None)
   st = serving_rows.admit(model, st, jnp.ones((b,), bool), plen_B, rng, pick, (b,))
   return st, res.depth, eps_B
@@ -290,7 +293,7 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
     model: the frozen LM.
     st: the State from `start` (or an earlier `run`) of B rows.
     cfg: the exit config `start` was given.
-    rng: key of sampling (`decoding.pick`'s per-position keys).
+    rng: key of sampling (`decoding.pick`'s keys: each row's State.seed and position).
     eps_B: [B] per-row exit thresholds (`start`'s third output).
     until: tokens per row to stop at (capped at n_new; default n_new).
     temperature: 0 for greedy; else sampling, as `start`.
@@ -324,7 +327,7 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              eps_B=None, prompt_len_B=None, temperature: float = 0.0,
              compact: bool = True, wait_rows: int = 1, forced_BxN=None,
-             fuse: bool = True) -> Generation:
+             fuse: bool = True, seed_B=None) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
   Args:
@@ -335,10 +338,11 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     rng: key of the initial recurrent states (and of sampling).
     eps_B: float [B] per-row exit thresholds (default cfg.eps for every row), as `start`.
     prompt_len_B: int [B] per-row prompt lengths in [1, P] (default P).
-    temperature: 0 for greedy; else sampling with decoding.generate's per-position keys.
+    temperature: 0 for greedy; else sampling with `decoding.pick`'s keys (seed, position).
     compact, wait_rows, fuse: as `run`.
     forced_BxN: int [B, n_new] forced decoding: row b's tokens after its prompt are
       forced_BxN[b], not picked, and the NLL of each forced token is recorded.
+    seed_B: int [B] each request's sampling seed, as `start` (default arange(B)).
   Returns:
     Generation: tokens int32 [B, P + n_new] (row b's prompt, then its n_new tokens at
     p_b..), depth int32 [B, n_new] loops per generated token, prompt_depth int32 [B, P]
@@ -349,7 +353,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   """
   st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
                             prompt_len_B=prompt_len_B, temperature=temperature,
-                            forced_BxN=forced_BxN)
+                            forced_BxN=forced_BxN, seed_B=seed_B)
   st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact,
            wait_rows=wait_rows, forced=forced_BxN is not None, fuse=fuse)
   return Generation(st.tokens, st.depth, pdepth, st.counts,

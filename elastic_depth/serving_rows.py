@@ -43,6 +43,7 @@ class State(NamedTuple):
   unread: jax.Array        # [B] of which the final readout of s is pending (no check's)
   rot: Rotary              # [T, 1, 1, K/2] RoPE tables at each position (computed once)
   nll: jax.Array           # [B, n_new] forced decoding: each token's NLL (else zeros)
+  seed: jax.Array          # [B] each row's sampling seed, its request's (decoding.pick)
 
 
 def _put_rows(c_BxGxSxK, rows, pos, x_Bx1xGxK):
@@ -100,7 +101,7 @@ def _next_token(st: State, rows, pos_C, rng, pick: Pick, logits_C=None):
   forced decoding only, else ())."""
   logits_C = rows.take(st.logits) if logits_C is None else logits_C
   if not pick.forced:
-    return decoding.pick(logits_C, pos_C, rng, pick.temperature), ()
+    return decoding.pick(logits_C, pos_C, rng, pick.temperature, rows.take(st.seed)), ()
   tok_C = jnp.take_along_axis(rows.take(st.tokens), pos_C[:, None], axis=1)[:, 0]
   return tok_C, (losses.nll(logits_C, tok_C),)
 

@@ -11,7 +11,9 @@ Tokens are printed as they are produced (one prompt: the text; several: one line
 token, tagged with the row); --show_depths adds each token's loops as [d];
 --prefill_engine=pooled prefills all prompts' tokens through one compacted buffer;
 --exit_policy picks the check (KL by default; state_delta reads out only at the exit);
---wait_rows lets exited rows share one readout and admission pass.
+--wait_rows lets exited rows share one readout and admission pass; --temperature > 0
+samples, prompt i with the sampling seed --seed + i (identical prompts sample apart; a
+prompt's samples depend on its text, its index and --seed, not on the other prompts).
 """
 
 import sys
@@ -107,8 +109,10 @@ def main(argv):
   eps_B = np.asarray(eps * (b // len(eps)) if eps else [ecfg.eps] * b, np.float32)
   rng = jax.random.key(flags.FLAGS.seed)
   t = _TEMP.value
-  st, _, eps_B = jax.jit(lambda p, e, l: serving.start(
-      mdl, p, n, ecfg, rng, eps_B=e, prompt_len_B=l, temperature=t))(prompt_np, eps_B, plen)
+  seed_B = flags.FLAGS.seed + np.arange(b, dtype=np.int32)  # one sampling seed per prompt
+  st, _, eps_B = jax.jit(lambda p, e, l, s: serving.start(
+      mdl, p, n, ecfg, rng, eps_B=e, prompt_len_B=l, temperature=t, seed_B=s))(
+          prompt_np, eps_B, plen, seed_B)
   step = jax.jit(lambda st, k: serving.run(mdl, st, ecfg, rng, eps_B, until=k, temperature=t,
                                            wait_rows=_WAIT.value))
   _stream(step, st, tok, plen, n)
@@ -123,6 +127,11 @@ def _tokenizer(cfg):
   return ds.tokenizer
 
 
+def _piece(tok, i: int) -> str:
+  """Text of token i; `<id:i>` for an id the model has and the tokenizer lacks (sampled)."""
+  return tok.decode([i]) if i < tok.vocab_size else f'<id:{i}>'
+
+
 def _stream(step, st, tok, plen, n: int) -> None:
   """Runs the engine one token per row at a time and prints each token as it is known."""
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -131,7 +140,7 @@ def _stream(step, st, tok, plen, n: int) -> None:
     st = step(st, k)
     toks, depth = np.asarray(st.tokens), np.asarray(st.depth)
     for row in range(b):
-      piece = tok.decode([toks[row, plen[row] + k - 1]])
+      piece = _piece(tok, int(toks[row, plen[row] + k - 1]))
       d = f'[{depth[row, k - 1]}]' if _SHOW.value else ''
       if b == 1:
         print(piece + d, end=' ', flush=True)

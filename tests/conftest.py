@@ -48,6 +48,7 @@ from flax import nnx
 
 from elastic_depth import analysis
 from elastic_depth import config as config_lib
+from elastic_depth import decoding
 from elastic_depth import inference
 from elastic_depth import model as model_lib
 
@@ -128,6 +129,18 @@ def nll_np(logits, targets):
   lg = np.asarray(logits, np.float64)
   lse = np.logaddexp.reduce(lg, axis=-1)
   return lse - np.take_along_axis(lg, np.asarray(targets)[..., None], -1)[..., 0]
+
+
+def gumbel_pick_np(logits_BxV, pos_B, rng, temperature: float, seed_B) -> np.ndarray:
+  """Reference sampled tokens, row by row: argmax(logits / T + g) in float64, g the Gumbel
+  noise of the key rng -> decoding.SAMPLING_STREAM -> the row's seed -> its position."""
+  out = []
+  for lg, p, s in zip(np.asarray(logits_BxV, np.float64), np.asarray(pos_B), np.asarray(seed_B)):
+    k = jax.random.fold_in(jax.random.fold_in(
+        jax.random.fold_in(rng, decoding.SAMPLING_STREAM), int(s)), int(p))
+    out.append(np.argmax(lg / temperature + np.asarray(jax.random.gumbel(k, lg.shape),
+                                                        np.float64)))
+  return np.asarray(out)
 
 
 def attend_list(ks, vs):

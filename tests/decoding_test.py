@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import attend_list, exit_model_config, kl_np, median_kl_cfg, nll_np, safe_eps
+from conftest import (attend_list, exit_model_config, gumbel_pick_np, kl_np, median_kl_cfg,
+                      nll_np, safe_eps)
 from elastic_depth import config, decoding, inference, model as model_lib
 
 R = 10
@@ -201,12 +202,16 @@ def test_generation_counts_every_rows_deepest_loops():
   assert np.all(np.asarray(c3.coda_passes) == 1) and np.all(np.asarray(c3.head_passes) == 1)
 
 
-def test_sampling_draws_from_the_softmax():
-  """pick at temperature t: each row's token is a draw from softmax(logits / t)."""
+@pytest.mark.parametrize('over', ['positions', 'seeds'])
+def test_sampling_draws_from_the_softmax(over):
+  """pick at temperature t: each row's token is a draw from softmax(logits / t), over n
+  positions of one request (seed) or over n requests (seeds) at one position."""
   v, n, t = 300, 20000, 0.7
   logits = np.full(v, -4.0, np.float32)
   logits[[0, 150, 299]] = [1.0, 0.5, 0.0]
-  toks = jax.jit(lambda x: decoding.pick(x, jnp.arange(n), jax.random.key(3), t))(
+  pos, seed = ((jnp.arange(n), jnp.full((n,), 7)) if over == 'positions'
+               else (jnp.full((n,), 7), jnp.arange(n)))
+  toks = jax.jit(lambda x: decoding.pick(x, pos, jax.random.key(3), t, seed))(
       jnp.broadcast_to(jnp.asarray(logits), (n, v)))
   freq = np.bincount(np.asarray(toks), minlength=v) / n
   p = np.exp(logits.astype(np.float64) / t)
@@ -214,6 +219,41 @@ def test_sampling_draws_from_the_softmax():
   se = np.sqrt(p * (1 - p) / n)
   assert np.all(np.abs(freq - p) < 5 * se + 1e-9)
   assert abs(freq[[0, 150, 299]].sum() - p[[0, 150, 299]].sum()) < 5 * np.sqrt(0.25 / n)
+
+
+def test_sampled_token_is_the_gumbel_max_of_its_seed_and_position():
+  """pick's token is argmax(logits / t + g), g drawn from the key (rng, seed, position) of
+  its row alone (numpy, row by row); half the rows share one prompt's logits and position."""
+  v, b, t, rng = 64, 16, 0.8, jax.random.key(2)
+  logits = np.random.default_rng(0).normal(size=(b, v)).astype(np.float32)
+  logits[b // 2:] = logits[0]
+  pos = np.asarray([3, 4, 5, 6] + [7] * (b - 4), np.int32)
+  seed = np.arange(b, dtype=np.int32)[::-1] * 3 + 100
+  got = jax.jit(lambda x, p, s: decoding.pick(x, p, rng, t, s))(logits, pos, seed)
+  np.testing.assert_array_equal(np.asarray(got), gumbel_pick_np(logits, pos, rng, t, seed))
+  assert len(set(np.asarray(got)[b // 2:].tolist())) > 1  # one prompt, its requests apart
+
+
+def test_sampled_continuations_follow_the_request_seed():
+  """Temperature 1 on a near-uniform model, ragged KL exits: one prompt samples apart in
+  two rows with two seeds (and with none: seeds arange(B)) and alike with one seed; a
+  request's continuation is the same alone and at another row of a larger batch."""
+  mdl, rng, (a, other), cfg = _two_rows()
+  gen = jax.jit(lambda p, s: decoding.generate(mdl, p, 6, cfg, rng, temperature=1.0,
+                                               seed_B=s))
+  prompts = jnp.stack([a, a, other])
+  toks = np.asarray(gen(prompts, jnp.asarray([4, 9, 4]))[0][:, 4:])
+  assert np.any(toks[0] != toks[1])  # one prompt, two seeds (agree: ~0.025 a token)
+  twin = np.asarray(gen(prompts, jnp.asarray([9, 9, 2]))[0][:, 4:])
+  np.testing.assert_array_equal(twin[0], twin[1])
+  np.testing.assert_array_equal(twin[1], toks[1])
+  for seed, row in ((9, 1), (4, 0)):
+    np.testing.assert_array_equal(np.asarray(gen(a[None], jnp.asarray([seed]))[0][0, 4:]),
+                                  toks[row])
+  default = np.asarray(jax.jit(lambda p: decoding.generate(mdl, p, 6, cfg, rng,
+                                                           temperature=1.0))(prompts)[0])
+  np.testing.assert_array_equal(default, np.asarray(gen(prompts, jnp.arange(3))[0]))
+  assert np.any(default[0, 4:] != default[1, 4:])
 
 
 def test_forced_decoding_equals_cached_scoring_with_float64_nll():
@@ -275,7 +315,9 @@ def test_generation_arguments_are_checked_before_any_work():
   for kw, words in [(dict(temperature=float('nan')), 'temperature=nan'),
                     (dict(temperature=-1.0), 'temperature=-1'),
                     (dict(forced_BxN=jnp.ones((2, 2), jnp.int32)), r'forced_BxN .*\(2, 3\)'),
-                    (dict(depth_BxN=jnp.ones((2, 4), jnp.int32)), r'depth_BxN .*\(2, 3\)')]:
+                    (dict(depth_BxN=jnp.ones((2, 4), jnp.int32)), r'depth_BxN .*\(2, 3\)'),
+                    (dict(seed_B=jnp.ones((3,), jnp.int32)), r'seed_B .*\(2,\)'),
+                    (dict(seed_B=jnp.ones((2,))), r'integer seed per row')]:
     with pytest.raises(ValueError, match=words):
       decoding.generate(mdl, p, 3, cfg, rng, **kw)
   with pytest.raises(ValueError, match='ids must lie in'):

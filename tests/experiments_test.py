@@ -375,6 +375,29 @@ def test_generate_cli_streams_the_tokens_and_depths_of_generate(workdir):
     assert got == [(vocab.id_to_token(t), int(d)) for t, d in zip(toks[0, p.shape[1]:], depth[0])]
 
 
+def test_generate_cli_samples_each_prompt_with_its_own_seed(workdir):
+  """--temperature > 0: prompt i samples with the seed --seed + i (under the key of --seed),
+  so one prompt given twice prints two continuations, each decoding.generate's (ids the
+  tokenizer lacks, which the barely trained model samples, as <id:i>)."""
+  text = '? 3 1 4 ='
+  cmd = [sys.executable, '-m', 'experiments.generate', f'--workdir={workdir}',
+         f'--prompt={text}', f'--prompt={text}', '--max_new_tokens=4', '--eps=1e-3',
+         '--temperature=2', '--seed=3']
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = re.findall(r'^(\d): (\S+)$', out.stdout, re.M)
+  cfg, mdl, _, _ = common.load_model(workdir)
+  vocab = synthetic.SyntheticVocab(cfg.data.synth_num_vars)
+  prompt = jnp.asarray(vocab.encode_batch([text] * 2))
+  ecfg = config_lib.ExitConfig(policy='kl', eps=1e-3, max_loops=cfg.depth.r_max)
+  toks, _ = decoding.generate(mdl, prompt, 4, ecfg, jax.random.key(3), temperature=2.0,
+                              seed_B=jnp.asarray([3, 4]))
+  piece = lambda t: vocab.id_to_token(t) if t < vocab.vocab_size else f'<id:{t}>'
+  want = [[piece(int(t)) for t in row[prompt.shape[1]:]] for row in toks]
+  assert [[t for r, t in rows if int(r) == i] for i in range(2)] == want
+  assert want[0] != want[1]
+
+
 def test_sweep_list_flags_name_a_bad_value():
   assert sweep_eps._positive_ints(['1', '3'], 'min_loops') == (1, 3)
   for bad in (['0'], ['x'], ['2', '-1']):

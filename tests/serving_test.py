@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import exit_model_config
+from conftest import exit_model_config, gumbel_pick_np
 
 from elastic_depth import config, decoding, inference, model as model_lib, serving
 
@@ -210,8 +210,11 @@ def test_compacted_passes_equal_all_rows_passes(setup):
   assert len(np.unique(depth)) > 2
   for name in ('tokens', 'depth', 'pos', 'loop', 'n'):
     np.testing.assert_array_equal(np.asarray(getattr(new, name)), np.asarray(getattr(old, name)))
+  # fp32 reassociation only: the compacted passes run the same products at other row counts
+  # (one cache entry of ~0.025 differed by 1.5e-6 once the scores were scaled after the
+  # query-key product); a wrong admission or readout differs by O(1)
   chex.assert_trees_all_close((new.logits, new.s, new.inj, new.cache),
-                              (old.logits, old.s, old.inj, old.cache), rtol=1e-5, atol=1e-6)
+                              (old.logits, old.s, old.inj, old.cache), rtol=1e-5, atol=4e-6)
   assert {1, 2, 4, 8} <= _assert_counts_replayed(depth, cfg, new.counts, paired=True)
   assert int(new.counts.readout_rows) < int(old.counts.readout_rows)
   assert int(new.counts.prelude_rows) < int(old.counts.prelude_rows)
@@ -273,26 +276,34 @@ def test_waiting_rows_change_the_schedule_not_the_tokens(setup):
 
 
 def test_sampled_rows_equal_their_own_generation(setup):
-  """At temperature 1 a row's samples depend on (rng, position) only: the depth-wise
-  engine's rows, lockstep decoding's batched rows and each row generated alone agree."""
+  """At temperature 1 a row's samples depend on (rng, its request's seed, position) only:
+  the depth-wise engine's rows (one prompt twice, with two seeds), lockstep decoding's
+  batched rows and each row generated alone with its seed agree; the prompt given twice
+  samples apart; each first token is the Gumbel-max draw of its prefill logits (numpy)."""
   mdl, rng, cfg, _, _ = setup
-  prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
-  gens = {t: jax.jit(lambda p, t=t: decoding.generate(mdl, p, N, cfg, rng, temperature=t))
+  rows = PROMPTS + [PROMPTS[0]]
+  prompts, plen = jnp.asarray(rows, jnp.int32), jnp.asarray(PLEN + [PLEN[0]], jnp.int32)
+  seeds = jnp.asarray([11, 4, 7, 5], jnp.int32)
+  gens = {t: jax.jit(lambda p, s, t=t: decoding.generate(mdl, p, N, cfg, rng, temperature=t,
+                                                         seed_B=s))
           for t in (0.0, 1.0)}
-  hot = lambda p, t: gens[t](p)
-  out = jax.jit(lambda p, n: serving.generate(mdl, p, N, cfg, rng, prompt_len_B=n,
-                                              temperature=1.0))(prompts, plen)
+  out = jax.jit(lambda p, n, s: serving.generate(mdl, p, N, cfg, rng, prompt_len_B=n,
+                                                 temperature=1.0, seed_B=s))(prompts, plen, seeds)
   m = min(PLEN)
-  batched, _ = hot(prompts[:, :m], 1.0)
+  batched, _ = gens[1.0](prompts[:, :m], seeds)
   sampled_differs = False
-  for b, (p, n) in enumerate(zip(PROMPTS, PLEN)):
-    alone, _ = hot(jnp.asarray([p[:n]], jnp.int32), 1.0)
+  for b, (p, n) in enumerate(zip(rows, np.asarray(plen))):
+    alone, _ = gens[1.0](jnp.asarray([p[:n]], jnp.int32), seeds[b:b + 1])
     np.testing.assert_array_equal(np.asarray(out.tokens[b, :n + N]), np.asarray(alone[0]))
-    short, _ = hot(jnp.asarray([p[:m]], jnp.int32), 1.0)
+    short, _ = gens[1.0](jnp.asarray([p[:m]], jnp.int32), seeds[b:b + 1])
     np.testing.assert_array_equal(np.asarray(batched[b]), np.asarray(short[0]))
-    greedy, _ = hot(jnp.asarray([p[:n]], jnp.int32), 0.0)
+    greedy, _ = gens[0.0](jnp.asarray([p[:n]], jnp.int32), seeds[b:b + 1])
     sampled_differs |= bool(np.any(np.asarray(greedy[0]) != np.asarray(alone[0])))
   assert sampled_differs  # the test samples
+  assert np.any(np.asarray(out.tokens[0, 4:]) != np.asarray(out.tokens[3, 4:]))
+  logits = inference.score(mdl, prompts, cfg, rng).logits[jnp.arange(4), plen - 1]
+  np.testing.assert_array_equal(np.asarray(out.tokens[jnp.arange(4), plen]),
+                                gumbel_pick_np(logits, plen, rng, 1.0, seeds))
 
 
 @pytest.mark.parametrize('policy', ['kl', 'state_delta'])
@@ -336,7 +347,9 @@ def test_start_names_bad_rows_before_any_work():
                     (dict(prompt_len_B=jnp.array([2.0, 4.0])), 'integer lengths'),
                     (dict(prompt_len_B=jnp.array([2, 4, 4])), r'prompt_len_B must have shape'),
                     (dict(forced_BxN=jnp.ones((2, 2), jnp.int32)), r'forced_BxN .*\(2, 3\)'),
-                    (dict(eps_B=jnp.array([0.1, jnp.nan])), 'eps_B must be finite')]:
+                    (dict(eps_B=jnp.array([0.1, jnp.nan])), 'eps_B must be finite'),
+                    (dict(seed_B=jnp.array([1, 2, 3])), r'seed_B must have shape \(2,\)'),
+                    (dict(seed_B=jnp.array([1.0, 2.0])), 'seed_B must hold integer seeds')]:
     with pytest.raises(ValueError, match=words):
       serving.generate(mdl, p, 3, cfg, rng, **kw)
   with pytest.raises(ValueError, match='ids must lie in'):
