@@ -67,15 +67,33 @@ def _ungroup(o_BxGxMxLxK) -> jax.Array:
   return o_BxGxMxLxK.transpose(0, 3, 1, 2, 4).reshape(b, l, g * rep, kd)
 
 
-def _chunk_scores(qs_BxGxMxLxK, k_BxGxSxK, i: int, w: int, end: int):
-  """Chunk i of w group-major queries as [B, G, M w, K] and its fp32 scores (scaled by
-  K^-1/2 in fp32, so no bf16 rounding of the scaled queries) over the keys [:end]
-  (unmasked)."""
+def _scaled_queries(q_BxLxHxK, g: int) -> tuple[jax.Array, float, float]:
+  """(group-major queries [B, G, M, L, K] times a, a, b) with a b = K^-1/2 and the fp32
+  scores to be multiplied by b.
+
+  fp32 queries are scaled (a = K^-1/2, b = 1: one fp32 rounding, no pass over the
+  scores); bf16/fp16 ones are not (a = 1, b = K^-1/2), since a K^-1/2 that is not a power
+  of two (head_dim 32, 96) would round the queries a second time in their dtype.
+  """
+  scale = q_BxLxHxK.shape[-1] ** -0.5
+  if q_BxLxHxK.dtype == jnp.float32:
+    return _group_major(q_BxLxHxK, g) * jnp.float32(scale), scale, 1.0
+  return _group_major(q_BxLxHxK, g), 1.0, scale
+
+
+def _times(s, b: float):
+  """s * b, skipped when b is 1."""
+  return s if b == 1.0 else s * b
+
+
+def _chunk_scores(qs_BxGxMxLxK, k_BxGxSxK, i: int, w: int, end: int, b_scale: float):
+  """Chunk i of w (scaled) group-major queries as [B, G, M w, K] and its fp32 scores,
+  times b_scale (_scaled_queries), over the keys [:end] (unmasked)."""
   b, g, rep, _, kd = qs_BxGxMxLxK.shape
   q_BxGxQxK = qs_BxGxMxLxK[:, :, :, i * w:(i + 1) * w].reshape(b, g, rep * w, kd)
   s_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', q_BxGxQxK, k_BxGxSxK[:, :, :end],
                          preferred_element_type=jnp.float32)
-  return q_BxGxQxK, s_BxGxQxS * kd ** -0.5
+  return q_BxGxQxK, _times(s_BxGxQxS, b_scale)
 
 
 def _causal_see(i: int, w: int, rep: int) -> jax.Array:
@@ -91,12 +109,12 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
   batched matmul (no repeated keys/values). Chunk i's queries meet the keys [:key_end(i)]
   where see(i, end) ([B or 1, C / n, end] bool) is true.
   """
-  qs_BxGxMxCxK = _group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
+  qs_BxGxMxCxK, _, b_scale = _scaled_queries(q_BxCxHxK, k_BxGxSxK.shape[1])
   rep, w = qs_BxGxMxCxK.shape[2], qs_BxGxMxCxK.shape[3] // n
   outs = []
   for i in range(n):
     end = key_end(i)
-    _, s_BxGxQxS = _chunk_scores(qs_BxGxMxCxK, k_BxGxSxK, i, w, end)
+    _, s_BxGxQxS = _chunk_scores(qs_BxGxMxCxK, k_BxGxSxK, i, w, end, b_scale)
     see_QxS = jnp.tile(see(i, end), (1, rep, 1))[:, None]  # query row r * w + t is slot t
     s_BxGxQxS = jnp.where(see_QxS, s_BxGxQxS, -jnp.inf)
     e_BxGxQxS = jnp.exp(s_BxGxQxS - jnp.max(s_BxGxQxS, axis=-1, keepdims=True))
@@ -110,12 +128,13 @@ def grouped_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, n: int, key_end: Callable
 
 
 def _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS):
-  """Queries [B, G, M, C, K] (the M = H / G query heads of a kv head) and their fp32 scores
-  over k (scaled by K^-1/2 in fp32), -inf where not see_BxCxS."""
-  q_BxGxMxCxK = _group_major(q_BxCxHxK, k_BxGxSxK.shape[1])
-  s_BxGxMxCxS = jnp.einsum('bgmck,bgsk->bgmcs', q_BxGxMxCxK, k_BxGxSxK,
-                           preferred_element_type=jnp.float32) * q_BxCxHxK.shape[-1] ** -0.5
-  return q_BxGxMxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxMxCxS, -jnp.inf)
+  """Scaled queries [B, G, M, C, K] (the M = H / G query heads of a kv head), their fp32
+  scores over k, -inf where not see_BxCxS, and the scores' scale b (_scaled_queries)."""
+  q_BxGxMxCxK, _, b_scale = _scaled_queries(q_BxCxHxK, k_BxGxSxK.shape[1])
+  s_BxGxMxCxS = _times(jnp.einsum('bgmck,bgsk->bgmcs', q_BxGxMxCxK, k_BxGxSxK,
+                                  preferred_element_type=jnp.float32), b_scale)
+  return (q_BxGxMxCxK, jnp.where(see_BxCxS[:, None, None], s_BxGxMxCxS, -jnp.inf),
+          b_scale)
 
 
 def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
@@ -125,7 +144,7 @@ def masked_attention(q_BxCxHxK, k_BxGxSxK, v_BxGxSxK, see_BxCxS) -> jax.Array:
   a copy); the exponentials are normalized after the value product, on [.., C, K] rather
   than [.., C, S]. Scores, max and sum in fp32. Every query must see a key.
   """
-  _, s_BxGxMxCxS = _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS)
+  _, s_BxGxMxCxS, _ = _grouped_scores(q_BxCxHxK, k_BxGxSxK, see_BxCxS)
   e_BxGxMxCxS = jnp.exp(s_BxGxMxCxS - jnp.max(s_BxGxMxCxS, axis=-1, keepdims=True))
   o_BxGxMxCxK = jnp.einsum('bgmcs,bgsk->bgmck', e_BxGxMxCxS.astype(v_BxGxSxK.dtype), v_BxGxSxK,
                            preferred_element_type=jnp.float32)
@@ -142,9 +161,10 @@ def attention_plus(q_BxQxHxK, k_BxGxSxK, v_BxGxSxK, see_BxQxS, kn_BxNxGxK, vn_Bx
   of it inside a branch) and writes the fresh keys/values afterwards. One softmax over both
   key sets, fp32 scores, normalized after the value products. Every query must see a key.
   """
-  q_BxGxMxQxK, s_BxGxMxQxS = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
-  s_BxGxMxQxN = jnp.einsum('bgmqk,bngk->bgmqn', q_BxGxMxQxK, kn_BxNxGxK.astype(q_BxQxHxK.dtype),
-                           preferred_element_type=jnp.float32) * q_BxQxHxK.shape[-1] ** -0.5
+  q_BxGxMxQxK, s_BxGxMxQxS, b_scale = _grouped_scores(q_BxQxHxK, k_BxGxSxK, see_BxQxS)
+  s_BxGxMxQxN = _times(jnp.einsum('bgmqk,bngk->bgmqn', q_BxGxMxQxK,
+                                  kn_BxNxGxK.astype(q_BxQxHxK.dtype),
+                                  preferred_element_type=jnp.float32), b_scale)
   s_BxGxMxQxN = jnp.where(see_QxN, s_BxGxMxQxN, -jnp.inf)
   m = jnp.maximum(jnp.max(s_BxGxMxQxS, axis=-1, keepdims=True),
                   jnp.max(s_BxGxMxQxN, axis=-1, keepdims=True))
@@ -167,11 +187,11 @@ def _flash_forward(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
   """Per query chunk: the output [B, G, M w, K], normalized after the value product, and
   its fp32 log-sum-exp [B, G, M w, 1]."""
   w = q_BxLxHxK.shape[1] // n
-  qs = _group_major(q_BxLxHxK, k_BxGxSxK.shape[1])
+  qs, _, b_scale = _scaled_queries(q_BxLxHxK, k_BxGxSxK.shape[1])
   rep = qs.shape[2]
   outs, lses = [], []
   for i in range(n):
-    _, s_BxGxQxS = _chunk_scores(qs, k_BxGxSxK, i, w, (i + 1) * w)
+    _, s_BxGxQxS = _chunk_scores(qs, k_BxGxSxK, i, w, (i + 1) * w, b_scale)
     s_BxGxQxS = jnp.where(_causal_see(i, w, rep), s_BxGxQxS, -jnp.inf)
     m = jnp.max(s_BxGxQxS, axis=-1, keepdims=True)
     e_BxGxQxS = jnp.exp(s_BxGxQxS - m)
@@ -208,29 +228,29 @@ def _flash_fwd(q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, n: int):
 def _flash_bwd(n: int, res, do_BxLxHxK):
   """Flash attention's backward: probabilities from the scores and the saved log-sum-exp."""
   q_BxLxHxK, k_BxGxSxK, v_BxGxSxK, outs, lses = res
-  f32, (g, kd) = jnp.float32, (k_BxGxSxK.shape[1], q_BxLxHxK.shape[-1])
-  w, scale = q_BxLxHxK.shape[1] // n, kd ** -0.5
-  qs = _group_major(q_BxLxHxK, g)
+  f32, g = jnp.float32, k_BxGxSxK.shape[1]
+  w = q_BxLxHxK.shape[1] // n
+  qs, a_scale, b_scale = _scaled_queries(q_BxLxHxK, g)
   dos = _group_major(do_BxLxHxK.astype(f32), g)
   dk_BxGxSxK, dv_BxGxSxK = jnp.zeros(k_BxGxSxK.shape, f32), jnp.zeros(v_BxGxSxK.shape, f32)
   dqs = []
   for i in range(n):
     end = (i + 1) * w
-    q_BxGxQxK, s_BxGxQxS = _chunk_scores(qs, k_BxGxSxK, i, w, end)
+    q_BxGxQxK, s_BxGxQxS = _chunk_scores(qs, k_BxGxSxK, i, w, end, b_scale)
     see_QxS = _causal_see(i, w, qs.shape[2])
     do_BxGxQxK = dos[:, :, :, i * w:end].reshape(q_BxGxQxK.shape)
     p_BxGxQxS = jnp.where(see_QxS, jnp.exp(s_BxGxQxS - lses[i]), 0.0)
     dp_BxGxQxS = jnp.einsum('bgqk,bgsk->bgqs', do_BxGxQxK, v_BxGxSxK[:, :, :end],
                             preferred_element_type=f32)
-    # the gradient of the unscaled scores q.k (the forward scales them by K^-1/2)
-    ds_BxGxQxS = p_BxGxQxS * (dp_BxGxQxS - jnp.sum(do_BxGxQxK * outs[i], -1,
-                                                   keepdims=True)) * scale
+    # the gradient of the scores (a q).k before their scale b
+    ds_BxGxQxS = _times(p_BxGxQxS * (dp_BxGxQxS - jnp.sum(do_BxGxQxK * outs[i], -1,
+                                                          keepdims=True)), b_scale)
     dv_BxGxSxK = dv_BxGxSxK.at[:, :, :end].add(
         jnp.einsum('bgqs,bgqk->bgsk', p_BxGxQxS, do_BxGxQxK))
     dk_BxGxSxK = dk_BxGxSxK.at[:, :, :end].add(
         jnp.einsum('bgqs,bgqk->bgsk', ds_BxGxQxS, q_BxGxQxK, preferred_element_type=f32))
-    dqs.append(jnp.einsum('bgqs,bgsk->bgqk', ds_BxGxQxS, k_BxGxSxK[:, :, :end],
-                          preferred_element_type=f32))
+    dqs.append(_times(jnp.einsum('bgqs,bgsk->bgqk', ds_BxGxQxS, k_BxGxSxK[:, :, :end],
+                                 preferred_element_type=f32), a_scale))
   dq = _token_major(dqs, q_BxLxHxK.shape[2] // g)
   return (dq.astype(q_BxLxHxK.dtype), dk_BxGxSxK.astype(k_BxGxSxK.dtype),
           dv_BxGxSxK.astype(v_BxGxSxK.dtype))
