@@ -45,9 +45,11 @@ def bar(items, desc: str, progress: bool):
 
 
 def masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
-  """sum(x * mask) / sum(mask) over the last two axes' worth of tokens, float64."""
+  """sum(x * mask) / sum(mask) over the last two axes' worth of tokens, float64; NaN when
+  the mask holds no token (not 0, which would read as a loss of 0 or no loops)."""
   m = np.asarray(mask, np.float64)
-  return float(np.sum(np.asarray(x, np.float64) * m) / max(np.sum(m), 1.0))
+  total = np.sum(m)
+  return float(np.sum(np.asarray(x, np.float64) * m) / total) if total > 0 else float('nan')
 
 
 def in_row_chunks(fn, arrays: Sequence[np.ndarray], chunk: int = 64) -> tuple:
@@ -207,7 +209,7 @@ def kl_convergence(kl_RxNxL: np.ndarray, eps: float) -> np.ndarray:
   matching the exit policies, which cannot fire before loop 2.
   """
   r = kl_RxNxL.shape[0]
-  high = kl_RxNxL[1:] >= eps
+  high = ~(kl_RxNxL[1:] < eps)  # a NaN KL is not converged (no policy exits on it)
   loop = np.arange(3, r + 2).reshape(-1, *([1] * (kl_RxNxL.ndim - 1)))
   return np.max(np.where(high, loop, 2), axis=0, initial=2).astype(np.int32)
 

@@ -17,21 +17,30 @@ CHECK_BUDGET = 0.25         # core loops of check work per loop
 SEQ_135M = 1024             # sequence length the 135M-block costs are taken at
 
 
-def executed_flops(mcfg, core, coda, head, seq_len: int, core_keys=None):
+def executed_flops(mcfg, core, coda, head, seq_len: int, core_keys=None, outer_keys=None):
   """Forward FLOPs per token position from executed counts (`inference.Counts`).
 
   prelude + core loops x loop + coda readouts x coda + head products x head, with
   model.flops_per_token's parts; counts may be batch passes (what the masked engine
   runs for every position) or per-token arrays (the work of active tokens only).
-  core_keys: keys per query the core's attention executed (`Counts.core_keys`; None:
-  the causal seq_len / 2 of model FLOPs).
+  core_keys: keys per query the core's attention executed (`Counts.core_keys`); outer_keys:
+  those of the prelude and coda attention (`OUTER_KEYS`; only models with attention in
+  every block have any). None: the causal seq_len / 2 of model FLOPs.
   """
   keys = None if core_keys is None else np.asarray(core_keys, np.float64)
-  f = model_lib.flops_per_token(mcfg, 0, seq_len, core_keys=keys)
+  f = model_lib.flops_per_token(mcfg, 0, seq_len, core_keys=keys, outer_keys=outer_keys)
   core, coda, head = (np.asarray(x, np.float64) for x in (core, coda, head))
   coda_only = f['coda_head'] - f['head']
   return f['prelude'] + core * f['loop'] + coda * coda_only + head * f['head']
 
+
+# Keys per query the prelude and coda attention execute, by semantics, from the sequence
+# length and the core's executed keys (`Counts.core_keys`): parallel scoring runs the
+# chunked causal attention; a cached decode step attends over every slot of its cache
+# (masked) in every block, as the core does and decode_flops counts.
+OUTER_KEYS = {config_lib.Semantics.PARALLEL: lambda seq_len, core_keys: model_lib.causal_keys(
+                  seq_len),
+              config_lib.Semantics.CACHED: lambda seq_len, core_keys: core_keys}
 
 GAP_LEVEL = 0.9  # coverage of the gaps' bootstrap intervals
 
@@ -248,10 +257,12 @@ def frontier_gap(exact: Mapping, cheap, loss_cap: float = np.inf) -> Optional[di
   hi = min(me[-1], max(m[-1] for m, _ in envs))
   if lo > hi:
     return None
-  grid = np.unique(np.concatenate([me, *[m for m, _ in envs], [lo, hi]]))
+  # where the exact frontier (decreasing) crosses the cap: the operating range's start
+  cap_at = [np.interp(loss_cap, le[::-1], me[::-1])] if le[-1] <= loss_cap < le[0] else []
+  grid = np.unique(np.concatenate([me, *[m for m, _ in envs], [lo, hi], cap_at]))
   grid = np.unique(np.concatenate([grid, _crossings(envs, grid)]))
   grid = grid[(grid >= lo) & (grid <= hi)]
-  grid = grid[np.interp(grid, me, le) <= loss_cap]
+  grid = grid[np.interp(grid, me, le) <= loss_cap * (1 + 1e-12) + 1e-15]
   if not len(grid):
     return None
   gap = _lowest(envs, grid) - np.interp(grid, me, le)

@@ -52,8 +52,9 @@ def uniform_curve(trace: Trace, mcfg) -> dict:
           'row_loss': [row_sums(trace.stats['nll'][d - 1], trace.mask) for d in e['depths']],
           'row_loops': [[d * t for t in tokens] for d in e['depths']],
           # the trace ran the masked engine: its core attention multiplies all L keys
-          'flops': [float(books.executed_flops(mcfg, d, 1, 1, seq_len, seq_len))
-                    for d in e['depths']]}
+          'flops': [float(books.executed_flops(
+              mcfg, d, 1, 1, seq_len, seq_len,
+              books.OUTER_KEYS[Semantics.PARALLEL](seq_len, seq_len))) for d in e['depths']]}
 
 
 def cached_uniform_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]],
@@ -107,6 +108,7 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
                           mask_only=curve.mask_only, check_every=curve.check_every,
                           patience=curve.patience, eps_growth=curve.eps_growth)
   seq_len = int(np.asarray(batches[0]['inputs']).shape[1])
+  outer_keys = books.OUTER_KEYS[Semantics(curve.semantics)]  # the prelude's and coda's
   out = {k: [] for k in ('threshold', 'mean_loops', 'loss', 'flops', 'flops_active',
                          'mean_core_passes', 'mean_readouts', 'mean_heads',
                          'mean_loops_counted', 'share_max_depth', 'row_loss', 'row_loops')}
@@ -135,11 +137,13 @@ def policy_curve(model: model_lib.LoopedLM, batches: Sequence[Mapping[str, Any]]
       out['row_loss'].append(row_sums(nll, mask))
       out['row_loops'].append(row_sums(depth, mask))
       keys = per_pos('core_keys')  # the engine's executed keys per core query
+      outer = outer_keys(seq_len, keys)
       out['flops'].append(masked_mean(books.executed_flops(
           model.cfg, per_pos('core_passes'), per_pos('coda_passes'), per_pos('head_passes'),
-          seq_len, keys), ones))
+          seq_len, keys, outer), ones))
       out['flops_active'].append(masked_mean(books.executed_flops(
-          model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len, keys), mask[:, -t:]))
+          model.cfg, depth[:, -t:], cat('coda'), cat('head'), seq_len, keys, outer),
+          mask[:, -t:]))
       out['mean_core_passes'].append(masked_mean(per_pos('core_passes'), ones))
       out['mean_readouts'].append(masked_mean(cat('coda'), mask[:, -t:]))
       out['mean_heads'].append(masked_mean(cat('head'), mask[:, -t:]))

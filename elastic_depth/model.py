@@ -394,17 +394,18 @@ def causal_keys(l: int) -> float:
   return l * (n + 1) / (2 * n)
 
 
-def flops_per_token(cfg: ModelConfig, r: float, seq_len: int, core_keys=None) -> dict:
+def flops_per_token(cfg: ModelConfig, r: float, seq_len: int, core_keys=None,
+                    outer_keys=None) -> dict:
   """Forward matmul FLOPs per token at depth r.
 
   Attention scores are counted causally (seq_len / 2 keys per query, the model-FLOP
-  convention) except in the core loop when core_keys (keys per query an engine's core
-  attention executed, scalar or array) is given.
+  convention) except where an engine's executed keys per query are given: core_keys in
+  the core loop, outer_keys in the prelude and coda blocks (scalars or arrays).
   """
   d, h, g, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   proj = 2 * d * (2 * h * k + 2 * g * k)
   per_key = 2 * 2 * h * k  # QK^T and AV, per key a query meets
-  attn = per_key * seq_len / 2
+  attn = per_key * (seq_len / 2 if outer_keys is None else outer_keys)
   mlp = 2 * 3 * d * f
   block = proj + attn + mlp
   outer = block if AttentionIn(cfg.attention) == AttentionIn.ALL else mlp

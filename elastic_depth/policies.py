@@ -52,6 +52,28 @@ def draw_bucket(seed_key: jax.Array, step: jax.Array, cfg: DepthConfig):
   return r, bucket_index(r, cfg.buckets)
 
 
+def bucket_probabilities(cfg: DepthConfig, nodes: int = 200) -> np.ndarray:
+  """P(bucket j) per optimizer step under sample_depth and bucket_index, in float64.
+
+  The Poisson mixture is integrated over tau by Gauss-Hermite quadrature; r = r_max takes
+  the whole upper tail.
+  """
+  b = np.asarray(cfg.buckets, np.float64)
+  r = np.arange(1, cfg.r_max + 1, dtype=np.float64)
+  if cfg.mean <= 1:
+    p_r = (r == 1).astype(np.float64)
+  else:
+    z, w = np.polynomial.hermite_e.hermegauss(nodes)
+    lam = np.exp(math.log(cfg.mean - 1.0) - 0.5 * cfg.sigma ** 2 + cfg.sigma * z)[:, None]
+    k = r[:-1] - 1  # Poisson draws k -> r = k + 1 below r_max
+    lgam = np.array([math.lgamma(x + 1) for x in k])
+    p_r = (w / w.sum()) @ np.exp(k * np.log(lam) - lam - lgam)
+    p_r = np.append(p_r, max(1.0 - p_r.sum(), 0.0))
+  # nearest bucket, ties to the deeper one (bucket_index)
+  idx = len(b) - 1 - np.argmin(np.abs(b[None] - r[:, None])[:, ::-1], axis=1)
+  return np.bincount(idx, weights=p_r, minlength=len(b))
+
+
 def bucket_frequencies(seed: int, n: int, cfg: DepthConfig) -> tuple[np.ndarray, np.ndarray]:
   """Empirical draws over steps 0..n-1: (r per step, bucket depth per step)."""
   key = jax.random.key(seed)

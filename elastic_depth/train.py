@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -146,8 +147,17 @@ def evaluate(eval_step, params, batches, depths, mesh: Optional[Mesh] = None
 
 
 def train_flops_per_token(cfg: Config) -> float:
-  """Model FLOPs per trained token at the mean depth (3x forward, remat not counted)."""
-  return 3 * model_lib.flops_per_token(cfg.model, cfg.depth.mean, cfg.train.seq_len)['total']
+  """Model FLOPs per trained token, expected over the depth draws (remat not counted).
+
+  The forward runs the drawn bucket's loops, the backward (2x) the last backprop_depth of
+  them (all when 0); the expectation is over policies.bucket_probabilities.
+  """
+  d = cfg.depth
+  p = policies.bucket_probabilities(d)
+  b = np.asarray(d.buckets, np.float64)
+  back = np.minimum(b, d.backprop_depth) if d.backprop_depth > 0 else b
+  f = lambda r: model_lib.flops_per_token(cfg.model, float(r), cfg.train.seq_len)['total']
+  return f(p @ b) + 2 * f(p @ back)  # FLOPs are linear in the loops
 
 
 def config_dict(cfg: Config) -> dict:
@@ -334,7 +344,7 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
   eval_step = make_eval_step(r.graphdef, cfg)
   val = r.ds.val_batches(t.eval_batches)
   depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
-  peak = metrics.peak_flops(t.peak_flops)
+  peak = metrics.peak_flops(t.peak_flops) * jax.device_count()  # the mesh's: tokens/s is global
   flops_tok, schedule = train_flops_per_token(cfg), lr_schedule(cfg)
   meter = _Throughput(r.start, accum * t.batch_size * t.seq_len)
   meta = lambda: {'config': config_dict(cfg), 'data_iter': r.ds.train_iter.get_state(),

@@ -98,7 +98,9 @@ def _books(mcfg, l: int, n: int, passes: dict, keys: dict) -> dict:
   """Executed forward FLOPs of each variant: books.executed_flops of its passes x tokens,
   the core's attention at the keys per query it multiplied (`Counts.core_keys`; A0's
   scan: `model.causal_keys`)."""
-  return {k: n * float(books.executed_flops(mcfg, p['core'], p['coda'], p['head'], l, keys[k]))
+  outer = books.OUTER_KEYS[config.Semantics.PARALLEL](l, l)  # every variant is parallel
+  return {k: n * float(books.executed_flops(mcfg, p['core'], p['coda'], p['head'], l, keys[k],
+                                            outer))
           for k, p in passes.items()}
 
 

@@ -83,6 +83,19 @@ def test_convergence_depths_vs_brute_force(setup):
   for kl in (trace.stats['kl'], rs.random((7, 5, 9))):
     np.testing.assert_array_equal(analysis.kl_convergence(kl, eps), _brute_kl_conv(kl, eps))
   np.testing.assert_array_equal(analysis.kl_convergence(np.zeros((4, 1, 1)), 1.0), 2)
+  # a NaN KL never converges (the exit policies never exit on one): brute force agrees
+  kl = rs.random((6, 3, 4)) * 1e-3
+  kl[2, 0, :2] = np.nan
+  kl[5, 1, 0] = np.nan
+  got = analysis.kl_convergence(kl, 1.0)
+  np.testing.assert_array_equal(got, _brute_kl_conv(kl, 1.0))
+  assert got[0, 0] == 4 and got[1, 0] == 7 and got[2, 0] == 2
+
+
+def test_masked_mean_of_no_tokens_is_nan_not_zero():
+  x = np.array([[1.0, 3.0], [5.0, 7.0]])
+  assert analysis.masked_mean(x, np.array([[1, 0], [1, 1]])) == pytest.approx(13 / 3)
+  assert np.isnan(analysis.masked_mean(x, np.zeros((2, 2))))
 
 
 def test_convergence_summary(setup):

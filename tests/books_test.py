@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import exit_model_config
+from conftest import exit_model_config, jaxpr_dots
 
 from elastic_depth import books, config, decoding, frontier
 from elastic_depth import model as model_lib
@@ -87,6 +87,19 @@ def _rows_curve(loops_P, loss_PxN, tokens_N):
           'row_loss': loss.tolist(), 'row_loops': loops.tolist(), 'row_tokens': t.tolist()}
 
 
+def _brute_gap(exact, cheap, cap=np.inf, n=200_001):
+  """Max of cheap - exact Pareto frontiers (linear between points) on a dense grid of the
+  shared mean-loop range where the exact frontier's loss is at most cap."""
+  def pareto(c):
+    pts = sorted(zip(c['mean_loops'], c['loss']))
+    keep = [p for i, p in enumerate(pts) if all(p[1] < q[1] for q in pts[:i])]
+    return np.array([p[0] for p in keep]), np.array([p[1] for p in keep])
+  (me, le), (mc, lc) = pareto(exact), pareto(cheap)
+  x = np.linspace(max(me[0], mc[0]), min(me[-1], mc[-1]), n)
+  ex = np.interp(x, me, le)
+  return float(np.max((np.interp(x, mc, lc) - ex)[ex <= cap]))
+
+
 def test_gap_interval_collapses_when_every_sequence_agrees():
   m, loss = [2.0, 3.0, 4.0, 6.0], np.array([0.5, 0.1, 0.05, 0.04])
   tokens = [7, 3, 12, 5, 9]
@@ -98,7 +111,11 @@ def test_gap_interval_collapses_when_every_sequence_agrees():
   # a family of one is the curve; the operating cap applies as in frontier_gap
   assert books.frontier_gap_interval(exact, [cheap], boots=50) == ci
   op = books.frontier_gap_interval(exact, cheap, loss_cap=0.06, boots=50)
-  assert op['interval'] == pytest.approx([0.001, 0.001])
+  # the range starts where the exact frontier crosses 0.06 (3.8 loops), and the gap
+  # peaks there: 0.0648 - 0.06 (the grid of breakpoints alone gave 0.001)
+  want = _brute_gap(exact, cheap, 0.06)
+  assert want == pytest.approx(0.0048, abs=1e-5)
+  assert op['interval'] == pytest.approx([want, want], abs=1e-5)
   # no per-sequence sums, or other sequences: no interval
   assert books.frontier_gap_interval({k: exact[k] for k in ('mean_loops', 'loss')}, cheap) is None
   assert books.frontier_gap_interval(exact, _rows_curve(m, np.repeat(
@@ -194,6 +211,39 @@ def test_cost_parts_match_the_compiled_loop_and_readout():
   assert xla['head'] / xla['loop'] == pytest.approx(f['head'] / f['loop'], rel=0.15)
 
 
+def _dot_flops(fn, *args) -> float:
+  """2 x the multiply-adds of every dot_general fn's jaxpr runs (an independent count)."""
+  total = 0.0
+  for e in jaxpr_dots(jax.make_jaxpr(fn)(*args).jaxpr):
+    (lc, _), (lb, _) = e.params['dimension_numbers']
+    a, b = e.invars[0].aval.shape, e.invars[1].aval.shape
+    total += 2 * np.prod(a) * np.prod(b) / np.prod([a[i] for i in lc + lb] or [1])
+  return total
+
+
+@pytest.mark.parametrize('l', [64, 128])
+def test_outer_attention_books_count_the_keys_the_chunked_attention_runs(l):
+  """With attention in every block, the prelude and the readout (coda) as executed in
+  parallel scoring: their dot FLOPs per token equal flops_per_token's at OUTER_KEYS."""
+  cfg = config.ModelConfig(vocab_size=97, d_model=32, num_heads=4, num_kv_heads=2,
+                           head_dim=8, mlp_dim=48, n_prelude=1, n_core=2, n_coda=1,
+                           max_len=256, attention='all')
+  mdl = model_lib.build_model(cfg)
+  b = 2
+  toks = jnp.zeros((b, l), jnp.int32)
+  pos = model_lib.positions(toks)
+  s = jnp.zeros((b, l, cfg.d_model))
+  prelude = _dot_flops(lambda t: mdl.inject(mdl.encode(t, pos)[0]), toks) / (b * l)
+  coda = _dot_flops(lambda s: mdl.decode_state(s, pos)[0], s) / (b * l)
+  keys = books.OUTER_KEYS[config.Semantics.PARALLEL](l, l)
+  assert keys == model_lib.causal_keys(l) > l / 2  # more than model FLOPs' l / 2
+  f = model_lib.flops_per_token(cfg, 0, l, outer_keys=keys)
+  assert prelude == pytest.approx(f['prelude'], rel=1e-12)
+  assert coda == pytest.approx(f['coda_head'] - f['head'], rel=1e-12)
+  assert books.executed_flops(cfg, 0, 1, 0, l, outer_keys=keys) == pytest.approx(
+      prelude + coda, rel=1e-12)
+
+
 R, B, L = 6, 2, 8
 
 
@@ -281,8 +331,12 @@ def test_operating_range_compares_only_where_the_exact_loss_is_low():
   exact = {'mean_loops': [2.0, 3.0, 4.0, 6.0], 'loss': [0.5, 0.1, 0.05, 0.04]}
   cheap = {'mean_loops': [2.0, 3.0, 4.0, 6.0], 'loss': [0.5, 0.3, 0.051, 0.04]}
   assert books.frontier_gap(exact, cheap)['max_gap'] == pytest.approx(0.2)
+  for cap in (0.06, 0.045, 0.2, 0.5, 1.0):
+    g = books.frontier_gap(exact, cheap, loss_cap=cap)
+    assert g['max_gap'] == pytest.approx(_brute_gap(exact, cheap, cap), abs=1e-5), cap
   g = books.frontier_gap(exact, cheap, loss_cap=0.06)
-  assert g['range'] == [4.0, 6.0] and g['max_gap'] == pytest.approx(0.001)
+  assert g['range'] == pytest.approx([3.8, 6.0])  # from where the exact loss crosses 0.06
+  assert g['max_gap'] == pytest.approx(0.1008 - 0.06)
   assert books.frontier_gap(exact, cheap, loss_cap=0.01) is None
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from elastic_depth import distributed, dry_run, model as model_lib
+from elastic_depth import distributed, dry_run, model as model_lib, policies
 from pretrain_errors_test import TINY, tiny_config
 
 pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
@@ -69,7 +69,10 @@ def test_memory_grows_with_the_batch_and_the_plan_counts_flops():
   p = dry_run.plan(cfg, mfu=0.5)
   tokens = cfg.train.batch_size * cfg.train.seq_len
   assert p['tokens_per_step'] == tokens and p['params'] == n
-  want = 3 * model_lib.flops_per_token(cfg.model, cfg.depth.mean, cfg.train.seq_len)['total']
-  assert p['train_flops_per_token'] == want
+  # the expected executed loops (train_test checks that against the sampler's draws)
+  probs = policies.bucket_probabilities(cfg.depth)
+  loops = probs @ np.asarray(cfg.depth.buckets, np.float64)
+  want = 3 * model_lib.flops_per_token(cfg.model, loops, cfg.train.seq_len)['total']
+  assert p['train_flops_per_token'] == pytest.approx(want, rel=1e-12)
   assert p['hours_one_device']['H200'] == (
       want * tokens * cfg.train.steps / (989e12 * 0.5) / 3600)

@@ -41,12 +41,14 @@ def test_sweep_end_points_and_accounting(setup):
   assert c['mean_loops'][2] == 2
   np.testing.assert_allclose(c['loss'][2], a0['loss'][1], rtol=1e-5)
   # the masked engine's core attention (jax.nn.dot_product_attention) multiplies all L keys
-  f = model_lib.flops_per_token(mdl.cfg, 0, L, core_keys=L)
+  # its prelude and coda run the chunked causal attention (model.causal_keys)
+  f = model_lib.flops_per_token(mdl.cfg, 0, L, core_keys=L, outer_keys=model_lib.causal_keys(L))
   assert f['loop'] > model_lib.flops_per_token(mdl.cfg, 0, L)['loop']  # model FLOPs: L / 2
   assert c['flops'][0] == pytest.approx(f['prelude'] + R * f['loop'] + (R + 1) * f['coda_head'])
   assert c['flops'][2] == pytest.approx(f['prelude'] + 2 * f['loop'] + 3 * f['coda_head'])
   assert a0['flops'][R - 1] == pytest.approx(
-      model_lib.flops_per_token(mdl.cfg, R, L, core_keys=L)['total'])
+      model_lib.flops_per_token(mdl.cfg, R, L, core_keys=L,
+                                outer_keys=model_lib.causal_keys(L))['total'])
   # the middle point against a separate run and a per-token hand count
   nll, depth = _score(mdl, batches, rng, config.ExitConfig(policy='kl', eps=mid, max_loops=R))
   assert 2 < c['mean_loops'][1] < R
@@ -79,7 +81,7 @@ def test_router_curve(setup):
   router = policies.Router(jnp.zeros(dm), jnp.float32(0.0), jnp.zeros(dm), jnp.ones(dm))
   c = frontier.policy_curve(mdl, batches, rng, frontier.Curve('router', [0.4, 0.6], router), R)
   assert c['mean_loops'] == [R, 1]  # p_change = 0.5 everywhere
-  f = model_lib.flops_per_token(mdl.cfg, 1, L, core_keys=L)
+  f = model_lib.flops_per_token(mdl.cfg, 1, L, core_keys=L, outer_keys=model_lib.causal_keys(L))
   assert c['flops'][1] == pytest.approx(f['total'])
 
 
@@ -112,8 +114,8 @@ def test_cached_semantics_curve(setup):
   assert c['mean_loops'] == [2] and c['mean_core_passes'] == [2]
   # the paired check reads loops 1 and 2 (two readouts) and its logits are the output;
   # a decode step's core attention multiplies every slot of its cache: L + 1 slots (the
-  # inputs and the last target, whose step cached_outputs drops)
-  f = model_lib.flops_per_token(mdl.cfg, 0, L, core_keys=L + 1)
+  # inputs and the last target, whose step cached_outputs drops), as do its prelude and coda
+  f = model_lib.flops_per_token(mdl.cfg, 0, L, core_keys=L + 1, outer_keys=L + 1)
   assert c['flops_active'][0] == pytest.approx(f['prelude'] + 2 * f['loop'] + 2 * f['coda_head'])
   cfg = config.ExitConfig(policy='kl', eps=1e9, max_loops=R)
   # jitted once (eager, the scan over decode steps compiles again for every batch)

@@ -279,3 +279,21 @@ def test_triton_lowering_without_gpu(n, d, v, block_d):
   except ImportError as e:  # jaxlib without the Triton dialect
     pytest.skip(f'no Triton lowering in this jaxlib: {e}')
   assert 'triton' in lowered.as_text().lower()
+
+
+def test_reference_kl_with_masked_logits_is_finite_and_exact():
+  """A -inf logit of p (a token it can never emit) adds 0 log 0 = 0 to KL(p || q)."""
+  rng = np.random.default_rng(3)
+  a = rng.normal(size=(4, 50)) * 2
+  b = rng.normal(size=(4, 50)) * 2
+  a[:, :7] = -np.inf  # p has no mass there; q does
+  kl_N, argmax_N, lse_N = klh.reference_kl_from_logits(jnp.asarray(a, jnp.float32),
+                                                       jnp.asarray(b, jnp.float32))
+  lp = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
+  lq = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
+  p = np.exp(lp)
+  want = np.sum(np.where(p > 0, p * (lp - lq), 0.0), axis=-1)
+  assert np.all(np.isfinite(np.asarray(kl_N)))
+  np.testing.assert_allclose(kl_N, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(argmax_N, np.argmax(a, -1))
+  np.testing.assert_allclose(lse_N, np.logaddexp.reduce(a, axis=-1), rtol=1e-6)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
@@ -30,7 +31,7 @@ FLAGS = [
     '--config.train.lr=1e-2', '--config.train.warmup_steps=2', '--config.train.log_every=1',
     '--config.train.eval_every=10', '--config.train.eval_batches=2',
     '--config.train.ckpt_every=10',
-    '--config.train.eval_depths=(1,)', '--quiet',
+    '--config.train.eval_depths=(1,)', '--config.train.peak_flops=1e9', '--quiet',
 ]
 
 
@@ -94,7 +95,9 @@ def _runs(root) -> dict:
   os.remove(os.path.join(wd['resume'], 'metrics.jsonl'))
   _wait(_start(wd['resume'], 1, ['--resume']))
   return {**{k: _losses(v) for k, v in wd.items()},
-          **{f'{k}/val': _losses(v, 'val/loss_r1') for k, v in wd.items()}}
+          **{f'{k}/val': _losses(v, 'val/loss_r1') for k, v in wd.items()},
+          **{f'{k}/{m}': _losses(v, f'train/{m}') for k, v in wd.items()
+             for m in ('mfu', 'tokens_per_s')}}
 
 
 def _assert_same(a: dict, b: dict, steps):
@@ -113,6 +116,12 @@ def test_two_processes_fsdp_and_a_resume_equal_one_device(tmp_path):
   # the validation set (2 global batches of 8) does not shrink with two processes
   _assert_same(runs['p2/val'], runs['d1/val'], (10, 20))
   _assert_same(runs['p2/val'], runs['d4/val'], (10, 20))
+  # MFU is the whole mesh's: per token/s, 4 devices log a quarter of what 1 device logs
+  per_tps = {k: [runs[f'{k}/mfu'][s] / runs[f'{k}/tokens_per_s'][s] for s in runs[f'{k}/mfu']]
+             for k in ('d1', 'd4', 'p2')}
+  assert per_tps['d1'] and len(per_tps['d4']) == len(per_tps['p2']) == len(per_tps['d1'])
+  for k in ('d4', 'p2'):
+    np.testing.assert_allclose(per_tps[k], np.asarray(per_tps['d1']) / 4, rtol=1e-9)
   # fsdp equals one device
   _assert_same(runs['fsdp4'], runs['d1'], range(1, STEPS + 1))
   # the two-process checkpoint resumes on one device

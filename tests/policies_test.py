@@ -194,3 +194,19 @@ def test_threshold_grows_geometrically_from_loop_2():
   assert policies.threshold(0.5, 1.0, 7) == 0.5  # no growth: the threshold itself
   per_row = np.asarray(policies.threshold(eps_B, 2.0, jnp.asarray([1, 4])))
   np.testing.assert_allclose(per_row, [0.1, 0.04], rtol=1e-6)
+
+
+@pytest.mark.parametrize('mean,sigma,r_max,buckets', [
+    (8.0, 0.5, 32, (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)),  # the default
+    (5.0, 0.5, 10, (1, 2, 3, 4, 5, 6, 7, 8, 10)),  # the main job: a clipped tail
+    (3.0, 1.0, 6, (1, 3, 6)),                      # ties go deeper, heavy clipping
+    (1.0, 0.5, 8, (2, 4))])                        # mean <= 1: always one loop
+def test_bucket_probabilities_match_the_samplers_draws(mean, sigma, r_max, buckets):
+  cfg = config_lib.DepthConfig(mean=mean, sigma=sigma, r_max=r_max, buckets=buckets)
+  p = policies.bucket_probabilities(cfg)
+  assert p.shape == (len(buckets),) and p.sum() == pytest.approx(1.0, abs=1e-9)
+  n = 100_000
+  _, depth = policies.bucket_frequencies(3, n, cfg)
+  freq = np.array([np.mean(depth == b) for b in buckets])
+  se = np.sqrt(np.maximum(p * (1 - p), 1e-12) / n)
+  np.testing.assert_array_less(np.abs(freq - p), 5 * se + 1e-4)

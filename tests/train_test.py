@@ -1,5 +1,6 @@
 """Tests for the jitted randomised-depth train step and the learning-rate schedules."""
 
+import dataclasses
 import math
 
 import chex
@@ -240,3 +241,22 @@ def test_lr_schedule_wsd(make_config, warmup, steps, decay_frac):
     else:
       want = floor
     assert float(sched(t)) == pytest.approx(want, rel=1e-5, abs=1e-9), t
+
+
+@pytest.mark.parametrize('backprop_depth', [0, 2])
+def test_train_flops_per_token_expects_the_executed_loops(make_config, backprop_depth):
+  """Against the sampler's own draws: the forward runs the drawn bucket's loops, the
+  backward (2x a forward) the last backprop_depth of them."""
+  cfg = make_config()
+  cfg = dataclasses.replace(cfg, depth=dataclasses.replace(
+      cfg.depth, mean=5.0, r_max=10, buckets=(1, 2, 3, 5, 8, 10),
+      backprop_depth=backprop_depth))
+  _, depth = policies.bucket_frequencies(0, 100_000, cfg.depth)
+  back = np.minimum(depth, backprop_depth) if backprop_depth else depth
+  f = lambda r: model_lib.flops_per_token(cfg.model, r, cfg.train.seq_len)['total']
+  per_step = np.array([f(a) + 2 * f(b) for a, b in zip(depth, back)], np.float64)
+  got = train_lib.train_flops_per_token(cfg)
+  assert got == pytest.approx(per_step.mean(), rel=6 * per_step.std() / per_step.mean()
+                              / np.sqrt(len(per_step)))
+  if backprop_depth:  # 3 forwards at depth.mean would be far off
+    assert abs(3 * f(cfg.depth.mean) / got - 1) > 0.2

@@ -83,7 +83,8 @@ def reference_kl_from_logits(a_NxV, b_NxV):
   log_s_a_N = jnp.log(jnp.sum(jnp.exp(sa_NxV), axis=-1))
   log_s_b_N = jnp.log(jnp.sum(jnp.exp(sb_NxV), axis=-1))
   p_NxV = jnp.exp(sa_NxV - log_s_a_N[:, None])
-  kl_N = (jnp.sum(p_NxV * (sa_NxV - sb_NxV), axis=-1)
+  # 0 log 0 = 0: a -inf logit of p adds nothing (else 0 * -inf is NaN)
+  kl_N = (jnp.sum(jnp.where(p_NxV > 0, p_NxV * (sa_NxV - sb_NxV), 0.0), axis=-1)
           - log_s_a_N + log_s_b_N)
   kl_N = jnp.maximum(kl_N, 0.0)
   lse_a_N = m_a_N + log_s_a_N
