@@ -23,7 +23,6 @@ import tempfile
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from experiments import bench_util, flags_util
 from elastic_depth import config as config_lib, model as model_lib
@@ -32,7 +31,7 @@ from elastic_depth.data import pipeline, shards, sources, tokenizer as tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / 'shared' / 'data'
-_CONFIG = config_flags.DEFINE_config_dataclass('config', config_lib.Config(), 'Model/train shape.')
+_CONFIG = flags_util.define_config(config_lib.Config(), 'Model/train shape.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_data.json', 'Output JSON path.')
 _CORPUS = flags.DEFINE_string('corpus', str(SHARED / 'fineweb_edu' / '*.jsonl'), 'Documents.')
 _TOKENIZER = flags.DEFINE_string('tokenizer', str(SHARED / 'tokenizers' / 'gpt2'), 'Tokenizer.')

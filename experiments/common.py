@@ -198,6 +198,9 @@ def load(opts: Options) -> Loaded:
   """Model, config and validation batches for an experiment."""
   from elastic_depth import checkpoint, data as data_lib  # pylint: disable=g-import-not-at-top
   cfg, model, step, meta = load_model(opts.workdir, opts.step)
+  if (opts.seq_len or cfg.train.seq_len) > cfg.model.max_len:
+    raise SetupError(f'--seq_len={opts.seq_len} exceeds the model\'s max_len='
+                     f'{cfg.model.max_len} (positions it was built for)')
   data_cfg, data_workdir = resolve_data(cfg, opts.workdir, opts.data)
   ds = data_lib.build(data_cfg, seq_len=opts.seq_len or cfg.train.seq_len,
                       batch_size=opts.batch_size or cfg.train.batch_size,
@@ -208,6 +211,13 @@ def load(opts: Options) -> Loaded:
   batches = ds.val_batches(opts.batches or None)
   r_max = opts.max_depth or min(cfg.depth.r_max, 32)
   return Loaded(cfg, model, step, opts.workdir, data_cfg, ds, batches, r_max)
+
+
+def check_reaches_mean(ld: Loaded, what: str) -> None:
+  """SetupError when the loop cap is below the training mean depth `what` compares with."""
+  if ld.r_max < ld.cfg.depth.mean:
+    raise SetupError(f'--max_depth={ld.r_max} is below the training mean depth '
+                     f'{ld.cfg.depth.mean:g}, which {what} compares against; raise --max_depth')
 
 
 def report_name(base: str, opts: Options) -> str:

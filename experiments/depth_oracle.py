@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from elastic_depth import metrics, oracle, reports
+from elastic_depth.data.pipeline import NO_DIFFICULTY
 from experiments import common, flags_util
 
 _DEFAULT = ('uniform:1', 'uniform:2', 'uniform:3', 'uniform:4', 'uniform:8', 'split:3,1',
@@ -57,7 +58,9 @@ def pool_of(batches: list, p: int, n: int) -> dict:
   pool = dict(prompt=np.concatenate([np.asarray(b['inputs'])[:, :p] for b in batches]),
               forced=cat('inputs', p), weight=cat('mask', p - 1).astype(np.float64))
   if all('difficulty' in b for b in batches):
-    pool['k'] = cat('difficulty', p - 1)
+    k = cat('difficulty', p - 1)
+    if np.any(k[pool['weight'] > 0] != NO_DIFFICULTY):  # text windows carry -1 only
+      pool['k'] = k
   if pool['weight'][:, 1:].sum() == 0:
     raise common.SetupError('the decoded text holds no scored token (mask all zero)')
   return pool
@@ -109,8 +112,11 @@ def run(opts: common.Options, x: OracleOptions = OracleOptions()) -> dict:
   ld = common.load(opts)
   pool = pool_of(ld.batches, x.prompt_len, x.new_tokens)
   if 'k' not in pool and any(s.rule == oracle.Rule.DIFFICULTY for s in schedules):
-    raise common.SetupError('the difficulty rule needs the synthetic corpus (its tokens '
-                            'carry their difficulty k)')
+    if tuple(x.schedules) != _DEFAULT:
+      raise common.SetupError('the difficulty rule needs the synthetic corpus (its tokens '
+                              'carry their difficulty k)')
+    schedules = [s for s in schedules if s.rule != oracle.Rule.DIFFICULTY]
+    print('difficulty:* skipped: this data has no difficulty labels', flush=True)
   prefill = x.prefill_depth or int(round(ld.cfg.depth.mean))
   deep = [s.name for s in schedules if max(oracle.depth_args(s), default=0) > ld.r_max]
   deep += [f'--prefill_depth={prefill}'] if prefill > ld.r_max else []

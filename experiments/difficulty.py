@@ -19,6 +19,7 @@ from experiments import common, flags_util
 def run(opts: common.Options) -> dict:
   """Loads the workdir, measures and writes the report; prints the short table."""
   ld = common.load(opts)
+  common.check_reaches_mean(ld, "the report's 'loss @ training mean'")
   if not all('difficulty' in b for b in ld.batches) or ld.data_cfg.source != 'synthetic':
     raise common.SetupError(f'{opts.workdir}: difficulty needs the synthetic corpus '
                             '(its tokens carry their difficulty k)')

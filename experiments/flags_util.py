@@ -57,6 +57,22 @@ def fail(msg: str, code: int = 2):
   sys.exit(code)
 
 
+def define_config(default, help_text: str):
+  """DEFINE_config_dataclass('config', ...) at import time, a one-line error on bad input.
+
+  ml_collections reads sys.argv (flag files included) right here, so an unreadable
+  --flagfile or a bad --config override fails before any flag is parsed.
+  """
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  try:
+    return config_flags.DEFINE_config_dataclass('config', default, help_text)
+  except flags.Error as e:
+    fail(f'{str(e).removeprefix("ERROR:: ")} (a flag file path is read from the current directory, and the launch '
+         'files name each other from the repository root)')
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    fail(f'bad --config flag: {str(e).strip(chr(34))}')
+
+
 def parse_or_fail(argv: list[str]) -> list[str]:
   """A flags_parser for absl.app.run: a one-line error (exit 2) instead of a usage dump."""
   try:

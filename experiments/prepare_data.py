@@ -16,7 +16,6 @@ Exit codes: 0 done; 2 a one-line `error: ...` on stderr; 130 interrupted (rerun 
 """
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from elastic_depth import config as config_lib
 from elastic_depth.data import DataError, shards
@@ -26,11 +25,8 @@ from experiments import flags_util
 _fail = flags_util.fail
 
 
-try:
-  _CONFIG = config_flags.DEFINE_config_dataclass(
-      'config', config_lib.Config(), 'Data settings (config.data.*, model.vocab_size).')
-except (KeyError, AttributeError, TypeError, ValueError) as e:
-  _fail(f'bad --config flag: {str(e).strip(chr(34))}')
+_CONFIG = flags_util.define_config(config_lib.Config(),
+                                   'Data settings (config.data.*, model.vocab_size).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory of the shards and index.json.')
 _SHARD_TOKENS = flags.DEFINE_integer('shard_tokens', 2**27, 'Tokens per train shard '
                                      '(validation shards: 2 * val_fraction of that).')

@@ -24,7 +24,6 @@ import sys
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from elastic_depth import checkpoint
 from elastic_depth import config as config_lib
@@ -33,11 +32,8 @@ from experiments import flags_util
 from elastic_depth.data import DataError
 
 
-try:  # ml_collections resolves --config.* override types from sys.argv right here
-  _CONFIG = config_flags.DEFINE_config_dataclass('config', config_lib.Config(),
-                                                 'Experiment configuration.')
-except (KeyError, AttributeError, TypeError, ValueError) as e:
-  flags_util.fail(f'bad --config flag: {str(e).strip(chr(34))}')
+# ml_collections resolves --config.* override types from sys.argv right here
+_CONFIG = flags_util.define_config(config_lib.Config(), 'Experiment configuration.')
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default', 'Where checkpoints, metrics and '
                                'reports go.')
 _RESUME = flags.DEFINE_bool('resume', False, 'Continue from the latest checkpoint in workdir.')

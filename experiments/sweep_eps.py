@@ -198,6 +198,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
     raise common.SetupError(f'--curves: unknown {bad}; choose from '
                             f'{", ".join(frontier.BUILTIN_CURVES)}')
   ld = common.load(opts)
+  common.check_reaches_mean(ld, 'the headline (A0 at the training mean)')
   probe = _probe(opts, ld, 'router') if x.router else None
   extra = _calibrated(opts) if x.calibrated else {}
   kl_probes = ({sem: _probe(opts, ld, kl_probe.file_name(sem)) for sem in x.semantics}

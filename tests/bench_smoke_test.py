@@ -335,3 +335,24 @@ def test_benchmarks_name_a_missing_workdir_in_one_line(tmp_path, module, extra):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines() == [f"error: workdir '{missing}' does not exist"]
   assert not out.exists() and not missing.exists()
+
+
+def test_bench_import_works_in_its_own_scratch_folder_and_keeps_the_rest(tmp_path):
+  """--tmp names where a scratch folder is made: a bad flag stops before anything is
+  written, and a run removes only its own folder (it once emptied --tmp itself)."""
+  keep = tmp_path / 'runs' / 'checkpoints' / 'keep.txt'
+  keep.parent.mkdir(parents=True)
+  keep.write_text('precious')
+  run = lambda *a: subprocess.run(
+      [sys.executable, '-m', 'experiments.bench_import', f'--tmp={tmp_path / "runs"}', *a],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  bad = run('--d_model=0', f'--out={tmp_path / "bad.json"}')
+  assert bad.returncode == 2 and bad.stderr.strip().startswith('error: --d_model=0'), bad.stderr
+  assert len(bad.stderr.strip().splitlines()) == 1
+  out = tmp_path / 'import.json'
+  ok = run('--d_model=128', '--mlp_dim=64', '--vocab=64', f'--out={out}')
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  assert keep.read_text() == 'precious'
+  assert sorted(p.name for p in (tmp_path / 'runs').iterdir()) == ['checkpoints']
+  rec = json.loads(out.read_text())
+  assert rec['params'] > 0 and rec['peak_bytes'] >= rec['base_bytes'] > 0

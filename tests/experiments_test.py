@@ -19,6 +19,7 @@ from elastic_depth.data import synthetic
 from elastic_depth import books, kl_probe, model as model_lib, oracle, policies, router as router_lib
 from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
                          train_router)
+from experiments import difficulty as difficulty_main
 
 pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 
@@ -106,6 +107,22 @@ def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
                        check=False)
   assert out.returncode == 2 and out.stderr.startswith('error: flag --step=abc'), out.stderr
   assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_settings_the_model_cannot_score_are_refused_before_any_work(workdir):
+  """--seq_len above max_len; --max_depth below the training mean where a report
+  compares with uniform depth at that mean (the headline was mislabelled)."""
+  cfg = common.load_config(workdir)
+  with pytest.raises(common.SetupError, match=f'exceeds the model.s max_len={cfg.model.max_len}'):
+    common.load(dataclasses.replace(_opts(workdir), seq_len=cfg.model.max_len + 1))
+  low = int(cfg.depth.mean) - 1 if cfg.depth.mean == int(cfg.depth.mean) else int(cfg.depth.mean)
+  assert 1 <= low < cfg.depth.mean
+  opts = dataclasses.replace(_opts(workdir), max_depth=low, batches=1)
+  for run in (lambda: sweep_eps.run(opts, sweep_eps.SweepOptions(eps_grid=(0.1,))),
+              lambda: difficulty_main.run(opts)):
+    with pytest.raises(common.SetupError, match=f'--max_depth={low} is below the training '
+                                                'mean depth'):
+      run()
 
 
 def test_data_overrides_keep_the_model_tokenizer(workdir, tmp_path):
@@ -432,6 +449,20 @@ def test_sweep_in_cached_semantics_reports_its_own_a0(workdir):
   assert fr['a0_loss_same_loops'][0] == pytest.approx(a0c['loss'][1])
   with open(out['paths']['md'], encoding='utf-8') as f:
     assert 'cached semantics' in f.read()
+
+
+def test_depth_oracle_pool_has_difficulty_only_where_the_data_labels_it():
+  """Text windows carry difficulty -1 everywhere: no 'k', so label rules cannot run on
+  them (they once ran every answer at depth max(-1 + 1, 1))."""
+  rng = np.random.default_rng(0)
+  batch = lambda diff: {'inputs': rng.integers(0, 9, (2, 12)), 'mask': np.ones((2, 12)),
+                        'difficulty': diff}
+  text = depth_oracle.pool_of([batch(np.full((2, 12), -1))], 4, 6)
+  assert 'k' not in text
+  labels = np.full((2, 12), -1)
+  labels[0, 5] = 2
+  synth = depth_oracle.pool_of([batch(labels)], 4, 6)
+  np.testing.assert_array_equal(synth['k'], labels[:, 3:9])
 
 
 def test_depth_oracle_reports_rules_beside_uniform_depth(workdir):

@@ -96,6 +96,8 @@ CASES = {
     'buckets below r_max': (lambda tmp: ['--config.depth.r_max=4'],
                             ['depth.buckets=(1, 2) do not cover depth.r_max=4']),
     'eps < 0': (lambda tmp: ['--config.exit.eps=-0.1'], ['exit.eps=-0.1', '>= 0']),
+    'missing flag file': (lambda tmp: [f'--flagfile={tmp / "nope.flags"}'],
+                          ['Unable to open flagfile', 'nope.flags', 'repository root']),
     'missing corpus': (lambda tmp: ['--config.data.source=text',
                                     f'--config.data.paths={tmp / "nope.txt"}'],
                        ['no such file or directory', 'nope.txt']),
