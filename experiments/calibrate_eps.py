@@ -59,8 +59,8 @@ def check(x: CalibrateOptions, n_batches: Optional[int] = None) -> int:
   if x.risk == calibrate.Risk.ARGMAX and not x.delta < 1:
     raise common.SetupError(f'--delta={x.delta} must be < 1 for --risk=argmax (the '
                             'probability that the argmax changes)')
-  if x.risk == calibrate.Risk.LOSS and not x.bound > x.delta:
-    raise common.SetupError(f'--bound={x.bound} must exceed --delta={x.delta}')
+  if x.risk == calibrate.Risk.LOSS and not (x.delta < x.bound < float('inf')):
+    raise common.SetupError(f'--bound={x.bound} must be finite and exceed --delta={x.delta}')
   grid = x.eps_grid
   if grid is not None and (not grid or list(grid) != sorted(grid) or min(grid) < 0):
     raise common.SetupError(f'--eps_grid={grid} must be non-negative and increasing')

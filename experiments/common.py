@@ -243,7 +243,7 @@ def main(run: Callable[..., Any], experiment_options: Optional[Callable[[], Any]
   """
   def _main(argv):
     if len(argv) > 1:
-      raise SystemExit(f'error: unexpected arguments {argv[1:]}')
+      flags_util.fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     opts = options_from_flags()
     if experiment_options is None:

@@ -29,7 +29,8 @@ def saturation_depth(depths, losses, delta: float) -> int:
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    flags_util.fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
   if not WORKDIRS.value:
     flags_util.fail('--workdirs is required')
   if not (math.isfinite(DELTA.value) and DELTA.value >= 0):
@@ -44,6 +45,10 @@ def main(argv):
       r = reports.read_results(path, ('depths', 'loss', 'train_mean'))
     except ValueError as e:
       flags_util.fail(f'{e}; rerun python -m experiments.eval_depth --workdir={wd}')
+    if (not r['loss'] or len(r['loss']) != len(r['depths'])
+        or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in r['loss'])):
+      flags_util.fail(f'{path}: its losses are empty, missing or not finite; rerun '
+                      f'python -m experiments.eval_depth --workdir={wd}')
     runs[wd] = dict(depths=r['depths'], loss=r['loss'], train_mean=r['train_mean'],
                     saturation=saturation_depth(r['depths'], r['loss'], DELTA.value))
   md = ('| run | training mean depth | saturation depth (within '

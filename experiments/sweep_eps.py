@@ -150,6 +150,9 @@ def _probe(opts: common.Options, ld: common.Loaded, name: str):
                                    dataclasses.asdict(ld.data_cfg), tokens, flag)
     probe = (router_lib.load(path) if name == 'router' else
              kl_probe.load(path, ld.model.cfg.d_model))
+    if name == 'router' and probe.w_D.shape != (ld.model.cfg.d_model,):
+      raise ValueError(f'its weights have width {probe.w_D.shape}, the model '
+                       f'd_model={ld.model.cfg.d_model}: fitted on another model')
   except (ValueError, KeyError, TypeError) as e:
     raise common.SetupError(f'--{flag}: {path} is unreadable ({e}); refit it') from None
   if why:
@@ -190,6 +193,12 @@ def _timed(wc) -> str:
 
 def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   """Loads the workdir, runs A0 and the exit curves and writes the report."""
+  empty = [n for n, v in (('eps_grid', x.eps_grid), ('state_delta_grid', x.state_delta_grid),
+                          ('router_grid', x.router_grid), ('semantics', x.semantics))
+           if v is not None and not len(v)]
+  if empty:
+    raise common.SetupError(f'--{empty[0]} is empty: give at least one value (or leave the '
+                            'flag out for its default)')
   bad = sorted(set(x.semantics) - {s.value for s in Semantics})
   if bad:
     raise common.SetupError(f'--semantics: unknown {bad}; choose from parallel, cached')

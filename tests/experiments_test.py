@@ -180,6 +180,8 @@ def test_calibrate_eps_end_to_end_and_marked_on_the_sweep(workdir):
   assert ('calibrated' in sw['curves']) == (res['eps'] is not None)
   with pytest.raises(common.SetupError, match='alpha'):
     calibrate_eps.run(_opts(workdir), dataclasses.replace(x, alpha=1.5))
+  with pytest.raises(common.SetupError, match='--bound=inf must be finite'):
+    calibrate_eps.run(_opts(workdir), dataclasses.replace(x, risk='loss', bound=float('inf')))
   with pytest.raises(common.SetupError, match='held out'):
     calibrate_eps.run(_opts(workdir), dataclasses.replace(x, cal_batches=2))
 
@@ -197,6 +199,15 @@ def test_router_is_fitted_on_batches_the_sweep_refuses_to_score(workdir):
   with pytest.raises(common.SetupError, match='in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
                   sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
+  # a router of another width (fitted on another model) is refused before any scoring
+  with open(out['router'], encoding='utf-8') as f:
+    doc = json.load(f)
+  for k in ('w_D', 'mu_D', 'sd_D'):
+    doc[k] = doc[k] + [0.0 if k != 'sd_D' else 1.0]
+  with open(out['router'], 'w', encoding='utf-8') as f:
+    json.dump(doc, f)
+  with pytest.raises(common.SetupError, match='fitted on another model'):
+    sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
 
 
 def test_kl_probe_is_fitted_then_swept_with_its_cost_in_the_books(workdir):
@@ -430,6 +441,10 @@ def test_sweep_refuses_an_unknown_curve_before_loading_anything(tmp_path):
   missing = str(tmp_path / 'no_such_workdir')  # the curve is named first: nothing is read
   with pytest.raises(common.SetupError, match=r"--curves: unknown \['klx'\]; choose from kl, "):
     sweep_eps.run(_opts(missing), sweep_eps.SweepOptions(curves=('kl', 'klx')))
+  # an empty list flag is refused too (it crashed after scoring, or wrote an empty report)
+  for field in ('eps_grid', 'state_delta_grid', 'router_grid', 'semantics'):
+    with pytest.raises(common.SetupError, match=f'--{field} is empty'):
+      sweep_eps.run(_opts(missing), sweep_eps.SweepOptions(**{field: ()}))
   assert set(frontier.BUILTIN_CURVES) == set(frontier._grids((), None, None))
 
 
