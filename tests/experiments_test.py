@@ -568,3 +568,27 @@ def test_a_diverged_probe_fit_leaves_the_saved_probe_alone(tmp_path):
   with pytest.raises(common.SetupError, match='diverged .* left as it was'):
     train_router._refuse_non_finite(probe, str(path))  # pylint: disable=protected-access
   assert path.read_text() == '{"good": 1}'
+
+
+def test_saturation_reads_eval_depth_reports_and_refuses_bad_ones(tmp_path):
+  """The saturation depth is the smallest depth within delta of the best loss (brute force
+  here); an empty or non-finite loss list, or a stray argument, is one line, exit 2."""
+  from elastic_depth import reports  # pylint: disable=g-import-not-at-top
+  good, bad = str(tmp_path / 'good'), str(tmp_path / 'bad')
+  loss = [3.0, 2.5, 2.31, 2.30, 2.305]
+  reports.write(good, 'eval_depth', dict(depths=[1, 2, 3, 4, 5], loss=loss, train_mean=4),
+                flags={}, checkpoint={}, markdown='')
+  reports.write(bad, 'eval_depth', dict(depths=[1, 2], loss=[2.0, float('nan')], train_mean=2),
+                flags={}, checkpoint={}, markdown='')
+  run = lambda *a: subprocess.run([sys.executable, '-m', 'experiments.saturation', *a],
+                                  cwd=REPO, capture_output=True, text=True, timeout=120,
+                                  check=False)
+  out = run(f'--workdirs={good}', f'--out={tmp_path / "sat"}', '--delta=0.02')
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = _numbers(str(tmp_path / 'sat' / 'reports' / 'saturation.json'))[good]['saturation']
+  assert got == min(d for d, l in zip(range(1, 6), loss) if l <= min(loss) + 0.02) == 3
+  for args, words in (([f'--workdirs={bad}'], 'empty, missing or not finite'),
+                      ([f'--workdirs={good}', 'stray'], "unexpected arguments ['stray']")):
+    out = run(*args, f'--out={tmp_path / "sat2"}')
+    assert out.returncode == 2 and words in out.stderr, out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1
