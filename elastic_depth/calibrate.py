@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from scipy import stats
 
-from elastic_depth import inference, losses
+from elastic_depth import analysis, inference, losses
 from elastic_depth.config import ExitConfig, ExitPolicy
 
 
@@ -119,7 +119,7 @@ def _score(model, inputs_BxL, targets_BxL, rng, eps, exit_mask_BxL, *, policy: E
 
 def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
                eps_grid: Sequence[float], r_max: int, policy: str = ExitPolicy.KL.value,
-               mask_only: bool = False):
+               mask_only: bool = False, progress: bool = False):
   """Per-token nll, argmax, depth [G, N, L] at every eps, and the same at full depth r_max.
 
   Args:
@@ -132,16 +132,19 @@ def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
     r_max: the loop cap of the policy runs and the full depth of the reference.
     policy: the exit policy (an ExitPolicy value).
     mask_only: only the batch's scored (mask) tokens may exit.
+    progress: a bar over the thresholds (full depth first).
   Returns:
     dict: 'nll' fp32, 'argmax' int32 and 'depth' int32, each [G, N, L] (row g at
     eps_grid[g]); 'ref_nll' fp32 and 'ref_argmax' int32 [N, L] at uniform depth r_max.
   """
   out = []
+  bar = analysis.bar(range(1 + len(eps_grid)), 'calibration grid', progress)
   with jax.default_matmul_precision('highest'):
     for pol, grid in ((ExitPolicy.UNIFORM, [0.0]), (ExitPolicy(policy), list(eps_grid))):
       run = functools.partial(_score, policy=pol, r_max=r_max)
       per = []
       for eps in grid:
+        bar.update(1)
         rows = [jax.device_get(run(
             model, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
             k, jnp.float32(eps), jnp.asarray(b['mask']) > 0 if mask_only else None))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_depth import losses, model as model_lib
+from elastic_depth import analysis, losses, model as model_lib
 from elastic_depth.policies import Router, router_logit
 
 
@@ -41,7 +41,7 @@ def _recorded_loop(r_max: int) -> model_lib.LoopFn:
 
 
 def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
-            max_pairs: int = 200_000, seed: int = 0) -> Harvest:
+            max_pairs: int = 200_000, seed: int = 0, progress: bool = False) -> Harvest:
   """Runs every batch at uniform depth r_max, recording states and argmax at each loop.
 
   Args:
@@ -51,6 +51,7 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
     rng: key of the initial recurrent states.
     max_pairs: at most this many pairs, drawn without replacement when there are more.
     seed: seed of that draw.
+    progress: a bar over the batches.
   Returns:
     Harvest of N pairs (every masked token at every loop 1..R, or max_pairs of them):
     states_NxD float32 [N, D] s_i, labels_N float32 [N] (1: the argmax changes at some
@@ -61,7 +62,7 @@ def harvest(mdl, batches: Iterable[dict], r_max: int, rng: jax.Array,
     return mdl.forward(inputs_BxL, rng, _recorded_loop(r_max)).aux  # [R, B, L, D], [R, B, L]
 
   feats, labels, loops = [], [], []
-  for b in batches:
+  for b in analysis.bar(list(batches), 'harvest (router)', progress):
     states, am = jax.device_get(run(b['inputs']))
     # changes_later[i] = any_{j > i} am[j] != am[i]
     change = np.zeros(am.shape, bool)

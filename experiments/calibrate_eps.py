@@ -106,7 +106,8 @@ def run(opts: common.Options, x: CalibrateOptions = CalibrateOptions()) -> dict:
   keys = [analysis.batch_key(rng, k) for k in range(len(ld.batches))]
   split = {'cal': list(range(n_cal)), 'test': list(range(n_cal, len(ld.batches)))}
   scored = {s: calibrate.score_grid(ld.model, [ld.batches[k] for k in ix],
-                                    [keys[k] for k in ix], grid, ld.r_max)
+                                    [keys[k] for k in ix], grid, ld.r_max,
+                                    progress=opts.progress)
             for s, ix in split.items()}
   mask = {s: np.concatenate([ld.batches[k]['mask'] for k in ix]) for s, ix in split.items()}
   res = calibrate.calibrate(scored['cal'], mask['cal'], scored['test'], mask['test'], grid,

@@ -138,8 +138,10 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
     fit_batches = data_lib.fixed_batches(ld.data.train_windows, b, n_fit)
   if x.probe == 'kl_probe':
     return _run_kl_probe(opts, x, ld, rng, fit, fit_batches)
-  fit_h = router.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs)
-  test_h = router.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs)
+  fit_h = router.harvest(ld.model, fit_batches, ld.r_max, rng, x.max_pairs,
+                         progress=opts.progress)
+  test_h = router.harvest(ld.model, ld.batches[:first], ld.r_max, rng, x.max_pairs,
+                          progress=opts.progress)
   probe = router.fit(fit_h, steps=x.steps, lr=x.lr)
   res = {'train': router.evaluate(probe, fit_h), 'heldout': router.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.labels_N))}
