@@ -146,8 +146,9 @@ def _probe(opts: common.Options, ld: common.Loaded, name: str):
                             f'{fit_flag} --workdir={opts.workdir} first')
   tokens = router_lib.batch_tokens(0, len(ld.batches), ld.data.batch_size, ld.data.seq_len)
   try:
-    why = router_lib.overlap_error(router_lib.load_fit(path),
-                                   dataclasses.asdict(ld.data_cfg), tokens, flag)
+    fit = router_lib.load_fit(path)
+    why = router_lib.overlap_error(fit, dataclasses.asdict(ld.data_cfg), tokens, flag)
+    fitted_at = (fit or {}).get('checkpoint_step')  # older files do not record it
     probe = (router_lib.load(path) if name == 'router' else
              kl_probe.load(path, ld.model.cfg.d_model))
     if name == 'router' and probe.w_D.shape != (ld.model.cfg.d_model,):
@@ -155,6 +156,10 @@ def _probe(opts: common.Options, ld: common.Loaded, name: str):
                        f'd_model={ld.model.cfg.d_model}: fitted on another model')
   except (ValueError, KeyError, TypeError) as e:
     raise common.SetupError(f'--{flag}: {path} is unreadable ({e}); refit it') from None
+  if fitted_at is not None and fitted_at != ld.step:
+    raise common.SetupError(f'--{flag}: {path} was fitted on the checkpoint of step '
+                            f'{fitted_at}, and this sweep scores step {ld.step}; refit it, '
+                            f'or pass --step={fitted_at}')
   if why:
     raise common.SetupError(f'--{flag}: {why}; score fewer batches (--batches) or refit '
                             'with a larger train_router --fit_from')

@@ -130,11 +130,11 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   if on_val:
     fit = {'batches': list(range(first, first + n_fit)), 'batch_size': b, 'seq_len': l,
            'tokens': router.batch_tokens(first, n_fit, b, l),
-           'data_config': dataclasses.asdict(ld.data_cfg)}
+           'data_config': dataclasses.asdict(ld.data_cfg), 'checkpoint_step': ld.step}
     fit_batches = ld.batches[first:]
   else:  # the labels are the model's own: training text serves, and no scored batch is seen
     fit = {'split': 'train', 'batches': list(range(n_fit)), 'batch_size': b, 'seq_len': l,
-           'data_config': dataclasses.asdict(ld.data_cfg)}
+           'data_config': dataclasses.asdict(ld.data_cfg), 'checkpoint_step': ld.step}
     fit_batches = data_lib.fixed_batches(ld.data.train_windows, b, n_fit)
   if x.probe == 'kl_probe':
     return _run_kl_probe(opts, x, ld, rng, fit, fit_batches)

@@ -199,9 +199,16 @@ def test_router_is_fitted_on_batches_the_sweep_refuses_to_score(workdir):
   with pytest.raises(common.SetupError, match='in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
                   sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
-  # a router of another width (fitted on another model) is refused before any scoring
+  # a router of another checkpoint, or of another width (another model), is refused
   with open(out['router'], encoding='utf-8') as f:
     doc = json.load(f)
+  step = doc['fit']['checkpoint_step']
+  assert isinstance(step, int) and step > 0  # the checkpoint it was fitted on
+  stale = {**doc, 'fit': {**doc['fit'], 'checkpoint_step': step + 1}}
+  with open(out['router'], 'w', encoding='utf-8') as f:
+    json.dump(stale, f)
+  with pytest.raises(common.SetupError, match=f'fitted on the checkpoint of step {step + 1}'):
+    sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
   for k in ('w_D', 'mu_D', 'sd_D'):
     doc[k] = doc[k] + [0.0 if k != 'sd_D' else 1.0]
   with open(out['router'], 'w', encoding='utf-8') as f:
