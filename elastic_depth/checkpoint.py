@@ -209,7 +209,9 @@ def check_model_config(saved: dict, cfg: ModelConfig, where: str) -> None:
 
 # Settings that shape the training stream: changing one on --resume continues a different
 # run than the one checkpointed (the model's own fields are refused by check_model_config).
-STREAM_FIELDS = {'data': None, 'depth': None,
+# depth.remat / remat_policy / unroll choose how the same step is computed: not listed.
+STREAM_FIELDS = {'data': None,
+                 'depth': ('mean', 'sigma', 'r_max', 'buckets', 'backprop_depth'),
                  'train': ('seed', 'batch_size', 'seq_len', 'grad_accum', 'tokens_per_step')}
 
 

@@ -189,6 +189,9 @@ def test_changed_stream_settings_names_data_depth_and_batch_fields_only():
                  f'{cfg.train.batch_size * 2}'], got  # lr and steps may change freely
   del saved['data']['val_fraction']  # a field the checkpoint lacks is compared as its default
   assert checkpoint.changed_stream_settings(saved, cfg) == []
+  # how the same step is computed is not the stream
+  compute = dataclasses.replace(cfg, depth=dataclasses.replace(cfg.depth, remat=False, unroll=2))
+  assert checkpoint.changed_stream_settings(saved, compute) == []
 
 
 def test_tokenizer_fingerprint_sees_the_vocabulary_not_only_its_size():
