@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -72,8 +73,7 @@ def options_from_flags() -> Options:
   """Options from the shared flags."""
   if not _F.workdir:
     raise SetupError('--workdir is required (a directory trained by experiments.pretrain)')
-  data = {k: _F[f'data_{k}'].value for k in ('source', 'paths', 'val_paths', 'tokenizer')
-          if _F[f'data_{k}'].value is not None}
+  data = {k: _F[f'data_{k}'].value for k in DATA_FLAGS if _F[f'data_{k}'].value is not None}
   for item in _F.data_set:
     if '=' not in item:
       raise SetupError(f'--data_set={item!r} must be FIELD=VALUE')
@@ -259,12 +259,23 @@ def setup_errors() -> tuple:
   return (SetupError, ConfigError, checkpoint.CheckpointError, data_lib.DataError)
 
 
+DATA_FLAGS = ('source', 'paths', 'val_paths', 'tokenizer')  # --data_<field>; else --data_set
+
+
+def own_flags(msg: str) -> str:
+  """An error naming pretrain's --config.data.X flags, in these mains' data flags."""
+  def flag(m):
+    field = m.group(1)
+    return f'--data_{field}' if field in DATA_FLAGS else f'--data_set={field}'
+  return re.sub(r'--config\.data\.(\w+)', flag, msg)
+
+
 def one_line_errors(main_fn: Callable) -> Callable:
   """An absl main whose setup errors print one line, 'error: ...', and exit 2."""
   def _main(argv):
     try:
       return main_fn(argv)
     except setup_errors() as e:
-      print(f'error: {e}', file=sys.stderr)
+      print(f'error: {own_flags(str(e))}', file=sys.stderr)
       sys.exit(2)
   return _main

@@ -599,3 +599,24 @@ def test_saturation_reads_eval_depth_reports_and_refuses_bad_ones(tmp_path):
     out = run(*args, f'--out={tmp_path / "sat2"}')
     assert out.returncode == 2 and words in out.stderr, out.stderr[-3000:]
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_data_errors_name_the_measurement_mains_own_flags():
+  """A DataError written for pretrain (--config.data.X) names --data_X or --data_set=X,
+  flags these mains define, for every --config.data.* hint the data package gives."""
+  import glob as glob_lib  # pylint: disable=g-import-not-at-top
+  from absl import flags as absl_flags  # pylint: disable=g-import-not-at-top
+  hints = set()
+  for path in glob_lib.glob(os.path.join(REPO, 'elastic_depth', 'data', '*.py')):
+    with open(path, encoding='utf-8') as f:
+      hints |= set(re.findall(r'--config\.data\.(\w+)', f.read()))
+  assert {'paths', 'source', 'loss_on', 'hf_name'} <= hints
+  fields = {f.name for f in dataclasses.fields(config_lib.DataConfig)}
+  for field in sorted(hints):
+    got = common.own_flags(f'needs --config.data.{field}=X')
+    flag = re.search(r'--(\w+)', got).group(1)
+    assert flag in absl_flags.FLAGS, got
+    if flag == 'data_set':
+      assert got.endswith(f'--data_set={field}=X') and field in fields
+    else:
+      assert flag == f'data_{field}', got
