@@ -51,9 +51,10 @@ from experiments import bench_util, flags_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Random-model shapes (bench_util.MODEL_SHAPES).')
 _WORKDIR = flags.DEFINE_string('workdir', '', 'A trained run directory (instead of shapes).')
-_BATCH = flags.DEFINE_integer('batch', 16, 'Rows per batch.')
-_SEQ = flags.DEFINE_integer('seq_len', 256, 'Tokens per row.')
-_DEPTH = flags.DEFINE_integer('depth', 8, 'A0 depth and max loops (random models).')
+_BATCH = flags.DEFINE_integer('batch', 16, 'Rows per batch.', lower_bound=1)
+_SEQ = flags.DEFINE_integer('seq_len', 256, 'Tokens per row.', lower_bound=2)
+_DEPTH = flags.DEFINE_integer('depth', 8, 'A0 depth and max loops (random models).',
+                              lower_bound=1)
 _EPS = flags.DEFINE_float('eps', 1e-3, 'KL threshold (used when no fake schedule).')
 _FAKE = flags.DEFINE_float('fake_exit_fraction', 0.25,
                            'Share of active tokens exiting after each loop (0: use eps).')
@@ -62,7 +63,8 @@ _POLICY = flags.DEFINE_enum('policy', 'kl', ['kl', 'state_delta'],
 _STEPS = flags.DEFINE_integer('compact_steps', 8, 'exit.compact_steps: the compacted '
                               'buffers are multiples of L / this (and powers of two below).',
                               lower_bound=1)
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'Interleaved timed repeats (median).',
+                                lower_bound=1)
 _SETTLE = flags.DEFINE_integer('settle', 0, 'Untimed calls of each variant right before its '
                                'timed one in every round (timing.interleaved: warm, as '
                                'back-to-back batches run; it did not narrow the spread at P '

@@ -33,9 +33,11 @@ from elastic_depth import config, decoding, inference, losses, model as model_li
 from experiments import bench_generate_batch, bench_util, common, flags_util
 
 _SHAPES = flags.DEFINE_list('shapes', ['S', 'P'], 'Shapes to run (bench_util.MODEL_SHAPES).')
-_NEW = flags.DEFINE_integer('new_tokens', 32, 'Tokens generated per timed call.')
-_PROMPT = flags.DEFINE_integer('prompt_len', 16, 'Prompt length.')
-_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed repeats (median).')
+_NEW = flags.DEFINE_integer('new_tokens', 32, 'Tokens generated per timed call.', lower_bound=1)
+_PROMPT = flags.DEFINE_integer('prompt_len', 16, 'Prompt length.', lower_bound=1)
+_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed repeats (median).', lower_bound=1)
+flags_util.require('shapes', flags_util.one_of(bench_util.MODEL_SHAPES),
+                   f'shape names from {sorted(bench_util.MODEL_SHAPES)}')
 _TARGET = flags.DEFINE_float('target_loops', 5.0, 'Mean loops the a1_eps variant aims at.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_generate.json', 'JSON output.')
 

@@ -56,6 +56,7 @@ from flax import nnx
 
 from elastic_depth import books, config, decoding, model as model_lib, serving, timing
 from experiments import bench_generate_quality, bench_generate_report, bench_util, common
+from experiments import flags_util
 
 _BATCHES = flags.DEFINE_list('batch_sizes', [], 'Batch sizes of the depth-wise comparison '
                              '(e.g. 1,8,32; empty: the batch-1 shape benchmark).')
@@ -68,6 +69,11 @@ _GRIDS = {'kl': ['1e-1', '3e-2', '1e-2', '3e-3', '1e-3', '3e-4', '1e-4', '3e-5',
           'state_delta': ['0.5', '0.4', '0.3', '0.2', '0.15', '0.1', '0.05', '0.03', '0.01']}
 _TOL = flags.DEFINE_float('quality_tol', 0.01, 'Matched quality: A1 loss <= A0 loss + this.')
 _SHAPE = flags.DEFINE_string('serve_shape', 'S', 'Random-init shape without --workdir.')
+flags_util.require('serve_shape', lambda v: v in bench_util.MODEL_SHAPES,
+                   f'one of {sorted(bench_util.MODEL_SHAPES)}')
+flags_util.require('quality_tol', lambda v: 0 <= v < float('inf'), 'a finite number >= 0')
+flags_util.require('eps_grid', lambda v: all(float(x) >= 0 for x in v), 'numbers >= 0')
+flags_util.require('batch_sizes', lambda v: all(int(x) >= 1 for x in v), 'integers >= 1')
 _PREFILL_ENGINE = flags.DEFINE_enum_class('prefill_engine', config.ExitEngine.COMPACTED,
                                           config.ExitEngine, 'A1\'s prefill engine '
                                           '(exit.engine; A0 runs every prompt token to its depth).')

@@ -31,7 +31,7 @@ flags.DEFINE_string('out', 'runs/bench_kl.json', 'Output JSON path.')
 flags.DEFINE_list('shapes', ['8192x576x49152', '1024x576x49152',
                              '256x576x8192'],
                   'Comma-separated NxDxV shapes (paper shape first).')
-flags.DEFINE_integer('repeats', 5, 'Timed repetitions per measurement.')
+flags.DEFINE_integer('repeats', 5, 'Timed repetitions per measurement.', lower_bound=1)
 flags.DEFINE_enum('dtype', 'auto', ['auto', 'float32', 'bfloat16'],
                   'Input dtype of h / w; auto = bfloat16 on GPU, else float32.')
 flags.DEFINE_integer('block_n', 0, 'Token block; 0 = backend default.')

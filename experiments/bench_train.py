@@ -71,7 +71,8 @@ flags.DEFINE_integer('steps', 5, 'Timed steps per shape and round (capped by a s
 flags.DEFINE_integer('warmup', 1, 'Untimed steps after the AOT compile.')
 flags.DEFINE_bool('cap_heavy', True, 'Cap the timed steps of heavy shapes (P: 3).')
 flags.DEFINE_string('out', 'runs/bench_train.json', 'Output JSON path.')
-flags.DEFINE_integer('depth', 0, 'Override the depth r of every shape (0: the shape\'s).')
+flags.DEFINE_integer('depth', 0, 'Override the depth r of every shape (0: the shape\'s).',
+                     lower_bound=0)
 flags.DEFINE_enum('dtype', '', ['', 'float32', 'bfloat16'], 'Compute dtype (default: the '
                   'shape\'s; 135m is bfloat16, the others float32).')
 flags.DEFINE_list('remat', [], f'Remat choices to time per shape, of {REMAT_CHOICES} '

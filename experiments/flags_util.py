@@ -8,7 +8,7 @@ restores the usual rule: the command line overrides the flagfile.
 
 import math
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import flags
 
@@ -71,6 +71,21 @@ def define_config(default, help_text: str):
          'files name each other from the repository root)')
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     fail(f'bad --config flag: {str(e).strip(chr(34))}')
+
+
+def require(name: str, ok, what: str) -> None:
+  """Registers an absl validator: --name fails to parse (one line, exit 2) unless ok(value)."""
+  def check(value):
+    try:
+      return value is None or bool(ok(value))
+    except (TypeError, ValueError):
+      return False
+  flags.register_validator(name, check, message=f'--{name} must be {what}')
+
+
+def one_of(choices) -> Callable:
+  """ok(values) for require: every item of a list flag is one of choices."""
+  return lambda values: all(v in choices for v in values)
 
 
 def parse_or_fail(argv: list[str]) -> list[str]:

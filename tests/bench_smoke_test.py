@@ -356,3 +356,25 @@ def test_bench_import_works_in_its_own_scratch_folder_and_keeps_the_rest(tmp_pat
   assert sorted(p.name for p in (tmp_path / 'runs').iterdir()) == ['checkpoints']
   rec = json.loads(out.read_text())
   assert rec['params'] > 0 and rec['peak_bytes'] >= rec['base_bytes'] > 0
+
+
+@pytest.mark.parametrize('args,words', [
+    (('bench_generate', '--shapes=foo'), '--shapes must be shape names'),
+    (('bench_generate', '--batch_sizes=1', '--serve_shape=foo'), '--serve_shape must be one of'),
+    (('bench_generate', '--new_tokens=0'), '--new_tokens=0'),
+    (('bench_generate', '--eps_grid=abc'), '--eps_grid must be numbers'),
+    (('bench_generate', '--quality_tol=nan'), '--quality_tol must be a finite number'),
+    (('bench_exit', '--batch=0'), '--batch=0'),
+    (('bench_exit', '--shapes=nano', '--repeats=0'), '--repeats=0'),
+    (('bench_exit', '--depth=0'), '--depth=0'),
+    (('bench_kl', '--repeats=0'), '--repeats=0'),
+    (('bench_data', '--repeats=0'), '--repeats=0'),
+    (('bench_train', '--depth=-1'), '--depth=-1')])
+def test_bench_flags_out_of_range_are_one_line_before_any_work(args, words, tmp_path):
+  out = tmp_path / 'b.json'
+  proc = subprocess.run([sys.executable, '-m', f'experiments.{args[0]}', *args[1:],
+                         f'--out={out}'], cwd=REPO, capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert proc.returncode == 2 and proc.stderr.startswith('error:'), proc.stderr[-3000:]
+  assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert not out.exists()
