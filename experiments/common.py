@@ -79,6 +79,9 @@ def options_from_flags() -> Options:
       raise SetupError(f'--data_set={item!r} must be FIELD=VALUE')
     k, v = item.split('=', 1)
     data[k.strip()] = v
+  if not re.fullmatch(r'[\w.-]*', _F.tag):
+    raise SetupError(f'--tag={_F.tag!r}: letters, digits, _ . - only (it ends report file '
+                     'names)')
   return Options(workdir=_F.workdir, step=_F.step, max_depth=_F.max_depth,
                  batches=_F.batches, batch_size=_F.batch_size, seq_len=_F.seq_len,
                  seed=_F.seed, tag=_F.tag, progress=not _F.quiet, data=data)

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from elastic_depth import checkpoint, huginn, snapshot
 from elastic_depth.config import ConfigError
@@ -47,7 +47,8 @@ def _dry_run() -> None:
 
 def main(argv):
   if len(argv) > 1:
-    raise SystemExit(f'error: unexpected arguments {argv[1:]}')
+    flags_util.fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if not SRC.value or not (WORKDIR.value or DRY_RUN.value):
     print('error: --src and --workdir are required', file=sys.stderr)
     sys.exit(2)

@@ -107,6 +107,11 @@ def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
                        check=False)
   assert out.returncode == 2 and out.stderr.startswith('error: flag --step=abc'), out.stderr
   assert len(out.stderr.strip().splitlines()) == 1
+  # a tag that cannot end a file name is refused before any work (it crashed at the end)
+  out = subprocess.run([sys.executable, '-m', 'experiments.eval_depth', f'--workdir={workdir}',
+                        '--tag=a/b'], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       check=False)
+  assert out.returncode == 2 and out.stderr.startswith("error: --tag='a/b'"), out.stderr
 
 
 def test_settings_the_model_cannot_score_are_refused_before_any_work(workdir):
