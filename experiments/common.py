@@ -216,11 +216,17 @@ def load(opts: Options) -> Loaded:
   return Loaded(cfg, model, step, opts.workdir, data_cfg, ds, batches, r_max)
 
 
+def train_mean(cfg: Config) -> float:
+  """The mean depth training ran at: depth.mean, unless r_max clipped every draw below it."""
+  return min(cfg.depth.mean, cfg.depth.r_max)
+
+
 def check_reaches_mean(ld: Loaded, what: str) -> None:
   """SetupError when the loop cap is below the training mean depth `what` compares with."""
-  if ld.r_max < ld.cfg.depth.mean:
+  if ld.r_max < train_mean(ld.cfg):
     raise SetupError(f'--max_depth={ld.r_max} is below the training mean depth '
-                     f'{ld.cfg.depth.mean:g}, which {what} compares against; raise --max_depth')
+                     f'{train_mean(ld.cfg):g}, which {what} compares against; raise '
+                     '--max_depth')
 
 
 def report_name(base: str, opts: Options) -> str:

@@ -24,7 +24,7 @@ def run(opts: common.Options) -> dict:
     raise common.SetupError(f'{opts.workdir}: difficulty needs the synthetic corpus '
                             '(its tokens carry their difficulty k)')
   res = difficulty.report(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
-                          ld.cfg.depth.mean, progress=opts.progress)
+                          common.train_mean(ld.cfg), progress=opts.progress)
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('difficulty', opts), res,
                         flags=common.flag_record(opts, ld), checkpoint=info,

@@ -218,7 +218,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   kl_probes = ({sem: _probe(opts, ld, kl_probe.file_name(sem)) for sem in x.semantics}
                if x.kl_probe else None)
   res = frontier.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
-                       ld.cfg.depth.mean, eps_grid=x.eps_grid, delta=x.delta,
+                       common.train_mean(ld.cfg), eps_grid=x.eps_grid, delta=x.delta,
                        curves=tuple(x.curves), state_delta_grid=x.state_delta_grid,
                        router=probe, router_grid=x.router_grid, kl_probes=kl_probes,
                        semantics=x.semantics,

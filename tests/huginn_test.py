@@ -244,7 +244,7 @@ def test_huginn_0125_sweep_script_runs_end_to_end_on_the_fixture(tmp_path):
   _small_tokenizer(tmp_path / 'src')
   wd, fw = tmp_path / 'wd', str(FINEWEB)
   env = dict(os.environ, SRC=src, WD=str(wd), FW=fw,
-             FIT=fw.replace('part0', 'part1'), BATCHES='10', DEPTH='3', BATCH='2', SEQ='16')
+             FIT=fw.replace('part0', 'part1'), BATCHES='10', DEPTH='4', BATCH='2', SEQ='16')
   out = subprocess.run(['bash', str(ROOT / 'launch' / 'huginn_0125_sweep.sh')], env=env,
                        capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
