@@ -58,7 +58,6 @@ def bucket_probabilities(cfg: DepthConfig, nodes: int = 200) -> np.ndarray:
   The Poisson mixture is integrated over tau by Gauss-Hermite quadrature; r = r_max takes
   the whole upper tail.
   """
-  b = np.asarray(cfg.buckets, np.float64)
   r = np.arange(1, cfg.r_max + 1, dtype=np.float64)
   if cfg.mean <= 1:
     p_r = (r == 1).astype(np.float64)
@@ -69,9 +68,8 @@ def bucket_probabilities(cfg: DepthConfig, nodes: int = 200) -> np.ndarray:
     lgam = np.array([math.lgamma(x + 1) for x in k])
     p_r = (w / w.sum()) @ np.exp(k * np.log(lam) - lam - lgam)
     p_r = np.append(p_r, max(1.0 - p_r.sum(), 0.0))
-  # nearest bucket, ties to the deeper one (bucket_index)
-  idx = len(b) - 1 - np.argmin(np.abs(b[None] - r[:, None])[:, ::-1], axis=1)
-  return np.bincount(idx, weights=p_r, minlength=len(b))
+  idx = np.asarray(jax.vmap(lambda x: bucket_index(x, cfg.buckets))(jnp.asarray(r)))
+  return np.bincount(idx, weights=p_r, minlength=len(cfg.buckets))
 
 
 def bucket_frequencies(seed: int, n: int, cfg: DepthConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -126,21 +126,17 @@ def make_eval_step(graphdef, cfg: Config) -> Callable:
   return eval_step
 
 
-def evaluate(eval_step, params, batches, depths, mesh: Optional[Mesh] = None
-             ) -> dict[int, float]:
+def evaluate(eval_step, params, batches, depths, mesh: Mesh) -> dict[int, float]:
   """Mean validation NLL (nats/token) at each uniform depth.
 
-  With a mesh, batches are this process's rows of global batches (Data.val_batches), so
-  the validation set does not depend on the number of processes; without one, every
-  batch is whole and the same on every process.
+  batches are this process's rows of global batches (Data.val_batches), scored over the
+  mesh, so the validation set does not depend on the number of processes.
   """
   out = {}
   for d in depths:
     tot = cnt = 0.0
     for b in batches:
-      b = (distributed.shard_rows(b, mesh) if mesh is not None else
-           {k: b[k] for k in ('inputs', 'targets', 'mask')})
-      s, c = eval_step(params, b, jnp.int32(d))
+      s, c = eval_step(params, distributed.shard_rows(b, mesh), jnp.int32(d))
       tot, cnt = tot + float(s), cnt + float(c)
     out[int(d)] = tot / max(cnt, 1.0)
   return out

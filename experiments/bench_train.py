@@ -298,8 +298,7 @@ def _print_table(doc: dict) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    flags_util.fail(f'unexpected arguments {argv[1:]}')
+  flags_util.no_arguments(argv)
   check_flags()
   load_start = os.getloadavg()
   procs_start = bench_util.busy_processes()

@@ -251,8 +251,7 @@ def main(run: Callable[..., Any], experiment_options: Optional[Callable[[], Any]
     experiment_options: builds the experiment's options dataclass from its flags.
   """
   def _main(argv):
-    if len(argv) > 1:
-      flags_util.fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+    flags_util.no_arguments(argv)
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     opts = options_from_flags()
     if experiment_options is None:

@@ -73,6 +73,12 @@ def define_config(default, help_text: str):
     fail(f'bad --config flag: {str(e).strip(chr(34))}')
 
 
+def no_arguments(argv: list[str]) -> None:
+  """One line, exit 2, for positional arguments an absl main does not take."""
+  if len(argv) > 1:
+    fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+
+
 def require(name: str, ok, what: str) -> None:
   """Registers an absl validator: --name fails to parse (one line, exit 2) unless ok(value)."""
   def check(value):

@@ -16,7 +16,6 @@ samples, prompt i with the sampling seed --seed + i (identical prompts sample ap
 prompt's samples depend on its text, its index and --seed, not on the other prompts).
 """
 
-import sys
 
 from absl import app, flags, logging
 
@@ -40,9 +39,7 @@ _PREFILL = flags.DEFINE_enum('prefill_engine', None, ['masked', 'compacted', 'po
                              'config\'s; pooled: one buffer for all prompts\' tokens).')
 
 
-def _fail(msg: str):
-  print(f'error: {msg}', file=sys.stderr)
-  sys.exit(2)
+_fail = flags_util.fail
 
 
 def _check_flags() -> list:
@@ -87,8 +84,7 @@ def _encode(tok, prompts: list, max_len: int):
 
 
 def main(argv):
-  if len(argv) > 1:
-    _fail(f'unexpected arguments {argv[1:]}')
+  flags_util.no_arguments(argv)
   eps = _check_flags()
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   import dataclasses  # pylint: disable=g-import-not-at-top

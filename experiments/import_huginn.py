@@ -46,8 +46,7 @@ def _dry_run() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    flags_util.fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+  flags_util.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if not SRC.value or not (WORKDIR.value or DRY_RUN.value):
     print('error: --src and --workdir are required', file=sys.stderr)

@@ -47,8 +47,7 @@ def summary(index: dict) -> str:
 
 
 def main(argv):
-  if len(argv) > 1:
-    _fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
+  flags_util.no_arguments(argv)
   if not _OUT.value:
     _fail('--out=DIR is required')
   cfg = _CONFIG.value

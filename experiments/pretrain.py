@@ -72,8 +72,7 @@ def _peer_lost(e: BaseException) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    flags_util.fail(f'unexpected arguments: {argv[1:]} (flags are --name=value)')
+  flags_util.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   cfg = _CONFIG.value
   try:

@@ -227,8 +227,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    flags_util.fail(f'unexpected arguments {argv[1:]}')
+  flags_util.no_arguments(argv)
   bench_train.check_flags()
   load = os.getloadavg()
   results = []

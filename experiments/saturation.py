@@ -29,8 +29,7 @@ def saturation_depth(depths, losses, delta: float) -> int:
 
 
 def main(argv):
-  if len(argv) > 1:
-    flags_util.fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+  flags_util.no_arguments(argv)
   if not WORKDIRS.value:
     flags_util.fail('--workdirs is required')
   if not (math.isfinite(DELTA.value) and DELTA.value >= 0):
