@@ -171,7 +171,8 @@ class TrainConfig:
   grad_clip: float = 1.0
   eval_every: int = 200
   eval_batches: int = 4
-  eval_depths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+  eval_depths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # validated up to depth.r_max (a note
+  # names deeper ones; experiments.eval_depth scores them)
   ckpt_every: int = 200
   keep_checkpoints: int = 3
   log_every: int = 20

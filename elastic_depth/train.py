@@ -142,6 +142,14 @@ def evaluate(eval_step, params, batches, depths, mesh: Mesh) -> dict[int, float]
   return out
 
 
+def validation_depths(cfg: Config) -> list[int]:
+  """The uniform depths validation scores: train.eval_depths up to depth.r_max, then r_max.
+
+  Depths above r_max were never trained; experiments.eval_depth scores them.
+  """
+  return sorted({min(d, cfg.depth.r_max) for d in cfg.train.eval_depths})
+
+
 def train_flops_per_token(cfg: Config) -> float:
   """Model FLOPs per trained token, expected over the depth draws (remat not counted).
 
@@ -339,7 +347,7 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
   step_fn = make_train_step(r.graphdef, cfg, r.mesh)
   eval_step = make_eval_step(r.graphdef, cfg)
   val = r.ds.val_batches(t.eval_batches)
-  depths = sorted({min(d, cfg.depth.r_max) for d in t.eval_depths})
+  depths = validation_depths(cfg)
   peak = metrics.peak_flops(t.peak_flops) * jax.device_count()  # the mesh's: tokens/s is global
   flops_tok, schedule = train_flops_per_token(cfg), lr_schedule(cfg)
   meter = _Throughput(r.start, accum * t.batch_size * t.seq_len)

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -25,9 +26,9 @@ import time
 from absl import app, flags
 
 from experiments import bench_util, flags_util
-from elastic_depth import config as config_lib, model as model_lib
+from elastic_depth import config as config_lib, train as train_lib
 from elastic_depth.config import DataConfig
-from elastic_depth.data import pipeline, shards, sources, tokenizer as tokenizer_lib
+from elastic_depth.data import DataError, pipeline, shards, sources, tokenizer as tokenizer_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / 'shared' / 'data'
@@ -43,7 +44,10 @@ _BATCHES = flags.DEFINE_integer('batches', 1000, 'Batches drawn per input measur
                                 lower_bound=1)
 _PEAK = flags.DEFINE_float('peak_tflops', 989.0, 'Accelerator dense bf16 peak (H200: 989).')
 _MFU = flags.DEFINE_float('mfu', 0.45, 'Model FLOP utilisation assumed for the step.')
-_SPARSE_TOKENS = flags.DEFINE_integer('sparse_tokens', 2**31, 'Tokens of the sparse shard set.')
+_SPARSE_TOKENS = flags.DEFINE_integer('sparse_tokens', 2**31, 'Tokens of the sparse shard set.',
+                                      lower_bound=2**21)
+flags_util.require('peak_tflops', lambda x: 0 < x < float('inf'), 'a positive finite number')
+flags_util.require('mfu', lambda x: 0 < x <= 1, 'in (0, 1]')
 
 
 def median_time(fn, repeats: int) -> float:
@@ -139,20 +143,23 @@ def bench_input(directory: pathlib.Path, cfg, vocab_size: int) -> dict:
 
 def step_demand(cfg) -> dict:
   """Tokens/s the training step consumes at --mfu of --peak_tflops, and the arithmetic."""
-  fwd = model_lib.flops_per_token(cfg.model, cfg.depth.mean, cfg.train.seq_len)['total']
-  train_flops = 3 * fwd
+  train_flops = train_lib.train_flops_per_token(cfg)
   tokens_per_s = _MFU.value * _PEAK.value * 1e12 / train_flops
-  return {'forward_flops_per_token': fwd, 'train_flops_per_token': train_flops,
-          'mean_depth': cfg.depth.mean, 'peak_tflops': _PEAK.value, 'mfu': _MFU.value,
-          'tokens_per_s': tokens_per_s,
-          'formula': 'mfu * peak / (3 * flops_per_token(model, depth.mean, seq_len))'}
+  return {'train_flops_per_token': train_flops, 'mean_depth': cfg.depth.mean,
+          'peak_tflops': _PEAK.value, 'mfu': _MFU.value, 'tokens_per_s': tokens_per_s,
+          'formula': 'mfu * peak / train.train_flops_per_token(config) (the forward at the '
+                     'expected drawn loops, the backward at the expected backprop loops)'}
 
 
 def main(argv):
-  del argv
+  flags_util.no_arguments(argv)
   cfg = _CONFIG.value
-  docs = sources.capped(sources.iter_files(_CORPUS.value, DataConfig()), DataConfig())
-  tok = tokenizer_lib.get(_TOKENIZER.value, [], 10**6)
+  try:
+    docs = sources.capped(sources.iter_files(_CORPUS.value, DataConfig(), '--corpus'),
+                          DataConfig())
+    tok = tokenizer_lib.get(_TOKENIZER.value, [], 10**6)
+  except DataError as e:
+    flags_util.fail(re.sub(r'^data\.tokenizer', '--tokenizer', str(e)))
   result = {'date': time.strftime('%Y-%m-%d'), 'command': ' '.join(sys.argv),
             'machine': f'{platform.processor() or platform.machine()}, '
                        f'{os.cpu_count()} cores', 'corpus': _CORPUS.value,

@@ -71,6 +71,21 @@ def _peer_lost(e: BaseException) -> None:
   os._exit(3)  # pylint: disable=protected-access
 
 
+def _note_validation_depths(cfg) -> None:
+  """Says which train.eval_depths lie beyond depth.r_max (validation stops at r_max)."""
+  beyond = sorted(d for d in cfg.train.eval_depths if d > cfg.depth.r_max)
+  if beyond and jax.process_index() == 0:
+    print(f'note: train.eval_depths {beyond} exceed depth.r_max={cfg.depth.r_max}; '
+          f'validation scores up to {cfg.depth.r_max} (score deeper afterwards: python -m '
+          f'experiments.eval_depth --workdir={_WORKDIR.value} --max_depth={beyond[-1]})',
+          flush=True)
+
+
+def _mean_label(depth: int, mean: float) -> str:
+  """'(training mean)' for the depth equal to depth.mean, else names the mean it is nearest."""
+  return '(training mean)' if depth == mean else f'(nearest the training mean {mean:g})'
+
+
 def main(argv):
   flags_util.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
@@ -83,6 +98,7 @@ def main(argv):
                                          mfu=_DRY_MFU.value, remat_choices=remat)),
             flush=True)
       return
+    _note_validation_depths(cfg)
     summary = train.run(cfg, _WORKDIR.value, resume=_RESUME.value, quiet=_QUIET.value)
   except ERRORS as e:
     flags_util.fail(str(e))
@@ -101,8 +117,8 @@ def main(argv):
   if losses:
     depths = sorted(losses)
     mean = min(depths, key=lambda d: abs(d - cfg.depth.mean))
-    print(f'validation loss: depth 1 = {losses[depths[0]]:.4f}, depth {mean} '
-          f'(training mean) = {losses[mean]:.4f}; all: '
+    print(f'validation loss: depth {depths[0]} = {losses[depths[0]]:.4f}, depth {mean} '
+          f'{_mean_label(mean, cfg.depth.mean)} = {losses[mean]:.4f}; all: '
           + ', '.join(f'r={d}: {losses[d]:.4f}' for d in depths))
   if _REPORT.value and cfg.data.source == 'synthetic' and cfg.data.loss_on == 'answers':
     from experiments import common, difficulty  # pylint: disable=g-import-not-at-top

@@ -369,6 +369,9 @@ def test_bench_import_works_in_its_own_scratch_folder_and_keeps_the_rest(tmp_pat
     (('bench_exit', '--depth=0'), '--depth=0'),
     (('bench_kl', '--repeats=0'), '--repeats=0'),
     (('bench_data', '--repeats=0'), '--repeats=0'),
+    (('bench_data', '--corpus=/no/such.jsonl'), '--corpus: no such file or directory'),
+    (('bench_data', '--tokenizer=/no/such/tok'), "--tokenizer='/no/such/tok': no local file"),
+    (('bench_data', '--mfu=2'), '--mfu must be in (0, 1]'),
     (('bench_train', '--depth=-1'), '--depth=-1')])
 def test_bench_flags_out_of_range_are_one_line_before_any_work(args, words, tmp_path):
   out = tmp_path / 'b.json'

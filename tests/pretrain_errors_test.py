@@ -5,6 +5,7 @@ traceback, and leave checkpoints alone: no checkpoints folder for a fresh workdi
 unchanged one for an existing workdir.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -151,3 +152,18 @@ def test_checkpoint_mismatch_is_one_clear_line_and_changes_nothing(case, trained
   assert_one_line_error(out, *needles)
   assert snapshot(wd) == before and before
   assert not os.path.exists(os.path.join(wd, 'metrics.jsonl'))
+
+
+def test_eval_depths_beyond_r_max_are_named_and_the_mean_label_is_true(tmp_path):
+  """eval_depths above depth.r_max: a note before training; validation scores up to r_max,
+  and the closing line labels the depth nearest a non-integer mean as nearest, not equal."""
+  wd = tmp_path / 'run'
+  out = pretrain(str(wd), '--config.train.eval_depths=(1,2,4,8)', '--config.train.eval_every=4')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert ('note: train.eval_depths [4, 8] exceed depth.r_max=2; validation scores up to 2'
+          in out.stdout), out.stdout
+  assert f'eval_depth --workdir={wd} --max_depth=8' in out.stdout
+  summary = json.loads((wd / 'summary.json').read_text())
+  assert sorted(int(d) for d in summary['val_loss']) == train.validation_depths(tiny_config()) == [1, 2]
+  assert 'depth 1 (nearest the training mean 1.5) = ' in out.stdout, out.stdout
+  assert '(training mean)' not in out.stdout
