@@ -73,8 +73,9 @@ _WARMUP = flags.DEFINE_integer('warmup_rounds', 1, 'Untimed interleaved rounds a
                                'variant\'s first call (a kept heap grows to its size there).',
                                lower_bound=0)
 _MIN_TOKENS = flags.DEFINE_integer('min_tokens', 4096, 'With --workdir: validation tokens '
-                                   'per timed batch, at least.')
+                                   'per timed batch, at least.', lower_bound=1)
 _OUT = flags.DEFINE_string('out', 'runs/bench_exit.json', 'JSON output (markdown beside it).')
+flags_util.require('eps', lambda x: 0 <= x < float('inf'), 'a finite number >= 0')
 
 
 def _schedule(shape, frac: float, depth: int, seed: int = 0):

@@ -40,6 +40,7 @@ flags_util.require('shapes', flags_util.one_of(bench_util.MODEL_SHAPES),
                    f'shape names from {sorted(bench_util.MODEL_SHAPES)}')
 _TARGET = flags.DEFINE_float('target_loops', 5.0, 'Mean loops the a1_eps variant aims at.')
 _OUT = flags.DEFINE_string('out', 'runs/bench_generate.json', 'JSON output.')
+flags_util.require('target_loops', lambda x: 1 <= x < float('inf'), 'a finite number >= 1')
 
 
 def _median_time(fn, *args, repeats: int) -> float:

@@ -34,9 +34,9 @@ flags.DEFINE_list('shapes', ['8192x576x49152', '1024x576x49152',
 flags.DEFINE_integer('repeats', 5, 'Timed repetitions per measurement.', lower_bound=1)
 flags.DEFINE_enum('dtype', 'auto', ['auto', 'float32', 'bfloat16'],
                   'Input dtype of h / w; auto = bfloat16 on GPU, else float32.')
-flags.DEFINE_integer('block_n', 0, 'Token block; 0 = backend default.')
-flags.DEFINE_integer('block_v', 0, 'Vocab tile; 0 = backend default.')
-flags.DEFINE_integer('block_d', 0, 'Contraction chunk; 0 = backend default.')
+flags.DEFINE_integer('block_n', 0, 'Token block; 0 = backend default.', lower_bound=0)
+flags.DEFINE_integer('block_v', 0, 'Vocab tile; 0 = backend default.', lower_bound=0)
+flags.DEFINE_integer('block_d', 0, 'Contraction chunk; 0 = backend default.', lower_bound=0)
 flags.DEFINE_list('v_splits', ['auto', '1'], 'Kernel variants timed per shape: vocab '
                   'splits (kl_halting v_splits; auto = its default). The first is `kernel`.')
 flags.DEFINE_float('peak_tflops', 989.0,
@@ -48,6 +48,10 @@ flags.DEFINE_float('cpu_max_gflop', 150.0,
                    'On CPU, time the reference only below this many GFLOP.')
 flags.DEFINE_float('cpu_kernel_max_gflop', 5.0,
                    'On CPU, time the interpreted kernel only below this.')
+for _name in ('peak_tflops', 'peak_gbps'):
+  flags_util.require(_name, lambda x: 0 < x < float('inf'), 'a positive finite number')
+for _name in ('cpu_max_gflop', 'cpu_kernel_max_gflop'):
+  flags_util.require(_name, lambda x: x >= 0, 'a number >= 0')
 
 
 def parse_shape(text):

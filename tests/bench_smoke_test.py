@@ -368,11 +368,24 @@ def test_bench_import_works_in_its_own_scratch_folder_and_keeps_the_rest(tmp_pat
     (('bench_exit', '--shapes=nano', '--repeats=0'), '--repeats=0'),
     (('bench_exit', '--depth=0'), '--depth=0'),
     (('bench_kl', '--repeats=0'), '--repeats=0'),
+    (('bench_kl', '--shapes=64x8x40', '--block_n=-1'), '--block_n=-1'),
+    (('bench_kl', '--shapes=64x8x40', '--peak_tflops=0'), '--peak_tflops must be a positive'),
+    (('bench_kl', '--shapes=64x8x40', '--cpu_max_gflop=-1'), '--cpu_max_gflop must be'),
+    (('bench_exit', '--shapes=nano', '--eps=-1'), '--eps must be a finite number >= 0'),
+    (('bench_exit', '--shapes=nano', '--eps=nan'), '--eps must be a finite number >= 0'),
+    (('bench_exit', '--shapes=nano', '--min_tokens=0'), '--min_tokens=0'),
+    (('bench_generate', '--shapes=nano', '--target_loops=0'), '--target_loops must be'),
+    (('bench_generate', '--shapes=nano', '--target_loops=nan'), '--target_loops must be'),
     (('bench_data', '--repeats=0'), '--repeats=0'),
     (('bench_data', '--corpus=/no/such.jsonl'), '--corpus: no such file or directory'),
     (('bench_data', '--tokenizer=/no/such/tok'), "--tokenizer='/no/such/tok': no local file"),
     (('bench_data', '--mfu=2'), '--mfu must be in (0, 1]'),
-    (('bench_train', '--depth=-1'), '--depth=-1')])
+    (('bench_train', '--depth=-1'), '--depth=-1'),
+    (('bench_train', '--shapes=nano', '--warmup=-1'), '--warmup=-1 must be >= 0'),
+    (('bench_train', '--shapes=nano', '--peak_n=0'), '--peak_n=0'),
+    (('bench_train', '--shapes=nano', '--reference_threads=0'), '--reference_threads=0'),
+    (('bench_train', '--shapes=tiny', '--tiny_flags=/no/such.flags'),
+     "--tiny_flags='/no/such.flags' does not name a readable flag file")])
 def test_bench_flags_out_of_range_are_one_line_before_any_work(args, words, tmp_path):
   out = tmp_path / 'b.json'
   proc = subprocess.run([sys.executable, '-m', f'experiments.{args[0]}', *args[1:],
