@@ -139,5 +139,7 @@ def options_from_flags() -> CalibrateOptions:
                                                      common.SetupError))
 
 
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
+
 if __name__ == '__main__':
   app.run(common.main(run, options_from_flags), flags_parser=flags_util.parse_or_fail)

@@ -126,6 +126,12 @@ def resolve_data(cfg: Config, workdir: str, overrides: dict):
     raise SetupError(f'bad data override: {e}') from None
   if d.source == 'synthetic':
     return d, None
+  if 'paths' in overrides and 'val_paths' not in overrides and saved.val_paths:
+    raise SetupError(f'--data_paths names another corpus, but these experiments score '
+                     f'validation text, which the checkpoint\'s data.val_paths '
+                     f'({saved.val_paths}) would still give: name the text to score with '
+                     '--data_val_paths=FILE (the same file as --data_paths scores all of '
+                     'it), or --data_val_paths= for a held-out split of --data_paths')
   if 'tokenizer' not in overrides:
     if saved.source == 'synthetic':
       raise SetupError(f'{workdir} was trained on the synthetic vocabulary: it cannot score '

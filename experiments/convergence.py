@@ -58,6 +58,8 @@ def run(opts: common.Options, x: ConvergenceOptions = ConvergenceOptions()) -> d
   return {'results': res, 'paths': paths}
 
 
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
+
 if __name__ == '__main__':
   app.run(common.main(run, lambda: ConvergenceOptions(eps_conv=EPS_CONV.value)),
           flags_parser=flags_util.parse_or_fail)

@@ -143,6 +143,8 @@ def run(opts: common.Options, x: OracleOptions = OracleOptions()) -> dict:
   return {'results': res, 'paths': paths}
 
 
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
+
 if __name__ == '__main__':
   app.run(common.main(run, lambda: OracleOptions(
       schedules=tuple(SCHEDULES.value), prompt_len=PROMPT_LEN.value,

@@ -10,7 +10,7 @@ at the end of a synthetic run with data.loss_on=answers. Writes
 """
 
 import jax
-from absl import app
+from absl import app, flags
 
 from elastic_depth import difficulty, reports
 from experiments import common, flags_util
@@ -33,6 +33,8 @@ def run(opts: common.Options) -> dict:
   print(f"report {paths['md']}")
   return {'results': res, 'paths': paths}
 
+
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
 
 if __name__ == '__main__':
   app.run(common.main(run), flags_parser=flags_util.parse_or_fail)

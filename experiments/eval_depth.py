@@ -3,13 +3,13 @@
   python -m experiments.eval_depth --workdir=runs/tiny
   python -m experiments.eval_depth --workdir=runs/ts --max_depth=32 --batches=16
   python -m experiments.eval_depth --workdir=runs/ts --data_source=text \
-      --data_paths=other.txt --tag=other      # another corpus, the model's tokenizer
+      --data_paths=other.txt --data_val_paths=other.txt --tag=other  # another corpus
 
 Writes <workdir>/reports/eval_depth[_TAG].{json,png,md}.
 """
 
 import jax
-from absl import app
+from absl import app, flags
 
 from elastic_depth import analysis, reports
 from experiments import common, flags_util
@@ -34,6 +34,8 @@ def run(opts: common.Options) -> dict:
   print(f"best depth {res['depths'][best]} ({res['loss'][best]:.4f}); report {paths['md']}")
   return {'results': res, 'paths': paths}
 
+
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
 
 if __name__ == '__main__':
   app.run(common.main(run), flags_parser=flags_util.parse_or_fail)

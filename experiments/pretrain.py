@@ -1,6 +1,6 @@
 """Randomised-depth pretraining.
 
-  python -m experiments.pretrain --workdir=runs/tiny                 # embedded synthetic corpus
+  python -m experiments.pretrain --workdir=runs/default   # the config's defaults (synthetic data)
   python -m experiments.pretrain --flagfile=launch/135m.flags --workdir=runs/135m
   python -m experiments.pretrain --flagfile=launch/tiny.flags --workdir=runs/tiny --resume
 

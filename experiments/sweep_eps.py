@@ -257,5 +257,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   return {'results': res, 'paths': paths}
 
 
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
+
 if __name__ == '__main__':
   app.run(common.main(run, options_from_flags), flags_parser=flags_util.parse_or_fail)

@@ -18,7 +18,7 @@ later loop up to R. Training pairs come from validation batches --fit_from ..
 --fit_from + --fit_batches - 1, after the ones sweep_eps scores by default (0..7), so the
 A2 curve is held out; accuracy and calibration are reported on batches 0..--fit_from - 1.
 router.json records which validation tokens the probe saw, and sweep_eps refuses to
-score them. Writes <workdir>/router.json and <workdir>/reports/router.{json,md}.
+score them. Writes <workdir>/router.json and <workdir>/reports/router.{json,md,png}.
 """
 
 import dataclasses
@@ -206,6 +206,8 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
         f"{path}; report {paths['md']}")
   return {'results': res, 'paths': paths, 'router': path}
 
+
+flags.adopt_module_key_flags(common)  # the shared flags show in --helpshort
 
 if __name__ == '__main__':
   app.run(common.main(run, lambda: RouterOptions(

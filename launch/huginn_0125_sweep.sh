@@ -6,7 +6,7 @@
 #   SRC=/data/huginn-0125 bash launch/huginn_0125_sweep.sh   # a local HF snapshot folder
 #   SRC=tomg-group-umd/huginn-0125 bash launch/huginn_0125_sweep.sh   # needs the network
 # Other settings by environment: WD, FW (scored text), FIT, BATCHES (128), DEPTH (32),
-# BATCH (8), SEQ (1024); tests/launch_test.py runs it on the tiny fixture with small ones.
+# BATCH (8), SEQ (1024); tests/huginn_test.py runs it on the tiny fixture with small ones.
 # Cannot run on the development machines (no network, no GPU); its code path is tested on
 # the tiny fixture end to end (tests/huginn_test.py). Estimates (2026-12-03):
 # Memory: import host peak ~19 GB (measured 1.31x the fp32 parameter bytes on a 138M bf16

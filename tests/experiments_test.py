@@ -144,6 +144,14 @@ def test_data_overrides_keep_the_model_tokenizer(workdir, tmp_path):
   (tmp_path / 'tokenizer.json').write_text('{}')
   d, _ = common.resolve_data(text_cfg, str(tmp_path), {'paths': 'b.txt'})
   assert d.tokenizer == str(tmp_path / 'tokenizer.json') and d.paths == 'b.txt'
+  # another corpus while the checkpoint names its own validation files: refused unless the
+  # text to score is named (before, the old validation files were scored in silence)
+  held = dataclasses.replace(text_cfg, data=dataclasses.replace(text_cfg.data, val_paths='v.txt'))
+  with pytest.raises(common.SetupError, match=r"data.val_paths \(v.txt\) would still"):
+    common.resolve_data(held, str(tmp_path), {'paths': 'b.txt'})
+  for val, want in (('b.txt', 'b.txt'), ('', '')):
+    d, _ = common.resolve_data(held, str(tmp_path), {'paths': 'b.txt', 'val_paths': val})
+    assert (d.paths, d.val_paths) == ('b.txt', want)
   # another vocabulary than the checkpoint's is refused (tokenizer fingerprint in the meta)
   with pytest.raises(checkpoint.CheckpointError, match='another tokenizer'):
     common.load(_opts(workdir, data={'synth_num_vars': '20'}))
@@ -625,3 +633,12 @@ def test_data_errors_name_the_measurement_mains_own_flags():
       assert got.endswith(f'--data_set={field}=X') and field in fields
     else:
       assert flag == f'data_{field}', got
+
+
+@pytest.mark.parametrize('module', [calibrate_eps, convergence, depth_oracle, eval_depth,
+                                    sweep_eps, train_router, difficulty_main])
+def test_measurement_mains_show_the_shared_flags_in_helpshort(module):
+  """--helpshort (what a parse error points to) lists --workdir, --max_depth, --data_*."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  names = {f.name for f in flags.FLAGS.get_key_flags_for_module(module.__name__)}
+  assert {'workdir', 'max_depth', 'batches', 'data_paths', 'data_val_paths'} <= names, names
