@@ -4,6 +4,8 @@ import dataclasses
 import enum
 import math
 
+import numpy as np
+
 
 class InitState(str, enum.Enum):
   """How the recurrent state is initialised before the first loop."""
@@ -342,15 +344,24 @@ def check_exit(e: ExitConfig) -> None:
   """ConfigError for an exit config the engines cannot honour; fields given as arrays
   (traced thresholds) are skipped. eps < 0 is allowed: a threshold no check reaches."""
   for f in ('depth', 'min_loops', 'max_loops', 'check_every', 'compact_steps', 'patience'):
-    v = getattr(e, f)
-    if isinstance(v, (int, float)) and not v >= 1:
-      raise ConfigError(f'exit.{f}={v!r} must be an integer >= 1')
+    v = _concrete(getattr(e, f))
+    if v is not None and not np.all(v >= 1):
+      raise ConfigError(f'exit.{f}={getattr(e, f)!r} must be an integer >= 1')
   for f in ('eps', 'gate', 'eps_growth'):
-    v = getattr(e, f)
-    if isinstance(v, (int, float)) and not math.isfinite(v):
-      raise ConfigError(f'exit.{f}={v!r} must be a finite number')
-  if isinstance(e.eps_growth, (int, float)) and e.eps_growth <= 0:
+    v = _concrete(getattr(e, f))
+    if v is not None and not np.all(np.isfinite(v)):
+      raise ConfigError(f'exit.{f}={getattr(e, f)!r} must be a finite number')
+  growth = _concrete(e.eps_growth)
+  if growth is not None and not np.all(growth > 0):
     raise ConfigError(f'exit.eps_growth={e.eps_growth} must be > 0')
+
+
+def _concrete(v):
+  """A number or concrete array (numpy, jax) as float64 numpy; None for a traced value."""
+  try:
+    return np.asarray(v, np.float64)
+  except (TypeError, ValueError):  # a tracer (TracerArrayConversionError is a TypeError)
+    return None
 
 
 def _check_ranges(cfg: Config) -> None:

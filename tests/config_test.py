@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -163,6 +165,12 @@ def test_check_exit_refuses_what_the_engines_cannot_honour():
   for kw, words in [(dict(eps=float('nan')), 'exit.eps=nan'), (dict(max_loops=0), 'max_loops'),
                     (dict(check_every=0), 'check_every'), (dict(depth=0), 'exit.depth'),
                     (dict(eps_growth=0.0), 'eps_growth'),
-                    (dict(gate=float('inf')), 'exit.gate=inf')]:
+                    (dict(gate=float('inf')), 'exit.gate=inf'),
+                    # numpy and jax scalars and per-row arrays are concrete values too
+                    (dict(eps=np.float32('nan')), 'exit.eps=.*must be a finite'),
+                    (dict(eps=jnp.float32(float('nan'))), 'exit.eps=.*must be a finite'),
+                    (dict(eps=np.array([0.1, np.nan])), 'exit.eps=.*must be a finite'),
+                    (dict(max_loops=np.int32(0)), 'max_loops')]:
     with pytest.raises(config_lib.ConfigError, match=words):
       config_lib.check_exit(E(**kw))
+  jax.jit(lambda eps: config_lib.check_exit(E(eps=eps)) or eps)(jnp.float32(0.1))  # traced: skipped

@@ -297,3 +297,26 @@ def test_reference_kl_with_masked_logits_is_finite_and_exact():
   np.testing.assert_allclose(kl_N, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(argmax_N, np.argmax(a, -1))
   np.testing.assert_allclose(lse_N, np.logaddexp.reduce(a, axis=-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize('v_splits', [1, 3])
+def test_kernel_with_a_minus_inf_logit_in_p_and_q_is_finite(v_splits):
+  """A head row that overflows to -inf for both states: the kernel's KL equals the
+  reference's finite one (it was 0 * (-inf - -inf) = NaN, so such tokens never exited)."""
+  rng = np.random.default_rng(5)
+  h_NxD = jnp.asarray(np.abs(rng.normal(size=(6, 24))) + 0.5, jnp.float32)
+  hprev_NxD = jnp.asarray(np.abs(rng.normal(size=(6, 24))) + 0.5, jnp.float32)
+  w = rng.normal(size=(65, 24)).astype(np.float32)
+  w[20] = -3e38  # h > 0, so this logit is -inf in fp32 for p and q
+  w_VxD = jnp.asarray(w)
+  assert np.all(np.isneginf(np.asarray(klh.head_logits(h_NxD, w_VxD))[:, 20]))
+  kl_N, argmax_N, lse_N = klh.kl_halting(h_NxD, hprev_NxD, w_VxD, block_v=16,
+                                         v_splits=v_splits, interpret=INTERPRET)
+  keep = np.arange(65) != 20  # float64 numpy without the masked token
+  want_kl, want_arg, want_lse = np_kl_from_logits(
+      np_logits(to_f64(h_NxD), to_f64(w_VxD)[keep]),
+      np_logits(to_f64(hprev_NxD), to_f64(w_VxD)[keep]))
+  assert np.all(np.isfinite(np.asarray(kl_N)))
+  np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(argmax_N, np.where(want_arg >= 20, want_arg + 1, want_arg))
+  np.testing.assert_allclose(lse_N, want_lse, rtol=1e-5)

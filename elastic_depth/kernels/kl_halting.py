@@ -161,7 +161,8 @@ def _online_update(state, a_NxV, b_NxV, v0, num_valid_v):
   sa_NxV = a_NxV - new_m_a_N[:, None]  # <= 0, -inf on padding
   sb_NxV = b_NxV - new_m_b_N[:, None]
   e_a_NxV = jnp.exp(sa_NxV)
-  cross_NxV = e_a_NxV * (sa_NxV - sb_NxV)
+  # 0 log 0 = 0: a -inf logit of p (in q too: -inf - -inf is NaN) adds nothing
+  cross_NxV = jnp.where(e_a_NxV > 0, e_a_NxV * (sa_NxV - sb_NxV), 0.0)
   if num_valid_v is not None:
     cross_NxV = jnp.where(valid_NxV, cross_NxV, 0.0)
 
