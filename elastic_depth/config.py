@@ -114,7 +114,8 @@ class DepthConfig:
   """Randomised-depth training: r ~ Poisson(exp(tau)) + 1, tau ~ N(mu, sigma).
 
   mu = log(mean - 1) - sigma^2 / 2, so E[exp(tau)] = mean - 1 and E[r] = mean
-  before clipping to [1, r_max] and rounding to the nearest bucket.
+  before clipping to [1, r_max] and rounding to the nearest bucket (ties deeper). Buckets
+  past the first at or above r_max are never reached and not compiled (trained_buckets).
   """
   mean: float = 8.0
   sigma: float = 0.5
@@ -124,6 +125,17 @@ class DepthConfig:
   remat: bool = True
   remat_policy: RematPolicy = RematPolicy.NOTHING  # what remat keeps (see RematPolicy)
   unroll: int = 1  # loops per iteration of the training scan (lax.scan unroll; same result)
+
+
+def trained_buckets(d: DepthConfig) -> tuple[int, ...]:
+  """The buckets a draw can round to: depth.buckets up to the first at or above r_max.
+
+  A draw is at most r_max, so a deeper bucket is never the nearest: the training step's
+  switch leaves those branches out (they cost compile time and memory, never loops).
+  """
+  b = tuple(d.buckets)
+  k = next((i for i, x in enumerate(b) if x >= d.r_max), len(b) - 1)
+  return b[:k + 1]
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from elastic_depth import recurrence
 from elastic_depth.attention import (ATTN_LSE, ATTN_OUT, ROTATED_QK, Rotary, apply_rope,
                                      attention_chunks, attention_fn, rope_tables)
 from elastic_depth.config import (AttentionImpl, AttentionIn, DepthConfig, InitState, ModelConfig,
-                                  RematPolicy, validate_model)
+                                  RematPolicy, trained_buckets, validate_model)
 
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, Any]]  # mask: array/None/fn
 
@@ -328,9 +328,10 @@ def fixed(n: int, *, remat: bool = True) -> LoopFn:
 
 
 def bucketed(bucket_idx: jax.Array, depth: DepthConfig) -> LoopFn:
-  """Loop policy for training: depth.buckets[bucket_idx] loops behind one lax.switch."""
+  """Loop policy for training: depth.buckets[bucket_idx] loops behind one lax.switch (one
+  branch per bucket a draw can reach: config.trained_buckets)."""
   return lambda m, s0, inj, pos: (recurrence.bucketed_depth(
-      m.step_fn(inj, pos), s0, bucket_idx, depth.buckets,
+      m.step_fn(inj, pos), s0, bucket_idx, trained_buckets(depth),
       backprop_depth=depth.backprop_depth, remat=depth.remat,
       policy=REMAT_POLICIES[RematPolicy(depth.remat_policy)], unroll=depth.unroll), None)
 

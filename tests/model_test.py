@@ -256,6 +256,19 @@ def test_whole_looped_lm_matches_numpy(make_config, tie):
   assert_close(got, want, rtol=1e-5)
 
 
+def test_training_switch_has_a_branch_per_reachable_bucket_only(make_config):
+  """r_max 10 with the default buckets (to 32): 9 branches, not 15 (the deeper ones cost
+  compile time and, sized by the 32-loop branch, twice the step's temporaries)."""
+  cfg = make_config()
+  depth = dataclasses.replace(config_lib.DepthConfig(), r_max=10)
+  mdl = model_lib.build_model(cfg.model, seed=1)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda i: mdl.forward(tokens, jax.random.key(0),
+                                               model_lib.bucketed(i, depth)).logits)(1)
+  conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'cond']
+  assert [len(e.params['branches']) for e in conds] == [9]  # (1, ..., 8, 10)
+
+
 # ----------------------------------------------------------------------------
 # Causality of the whole looped LM.
 

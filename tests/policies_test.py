@@ -210,3 +210,17 @@ def test_bucket_probabilities_match_the_samplers_draws(mean, sigma, r_max, bucke
   freq = np.array([np.mean(depth == b) for b in buckets])
   se = np.sqrt(np.maximum(p * (1 - p), 1e-12) / n)
   np.testing.assert_array_less(np.abs(freq - p), 5 * se + 1e-4)
+
+
+@pytest.mark.parametrize('r_max', [1, 4, 9, 10, 11, 17, 32])
+def test_trained_buckets_keep_every_bucket_a_draw_can_round_to(r_max):
+  """The step's switch has a branch for every bucket some r in 1..r_max rounds to (brute
+  force, ties deeper), and none past the first bucket at or above r_max."""
+  cfg = config_lib.DepthConfig(r_max=r_max)  # the default buckets (1, ..., 32)
+  trained = config_lib.trained_buckets(cfg)
+  assert trained == cfg.buckets[:len(trained)] and trained[-1] >= r_max
+  assert len(trained) == 1 or trained[-2] < r_max
+  reached = {nearest_bucket(r, cfg.buckets) for r in range(1, r_max + 1)}
+  assert reached <= set(trained), (reached, trained)
+  _, depth = policies.bucket_frequencies(0, 2000, cfg)  # the sampler's own draws too
+  assert set(depth.tolist()) <= set(trained)
