@@ -17,6 +17,7 @@ Writes <workdir>/reports/sweep_eps[_TAG].{json,png,md}.
 """
 
 import dataclasses
+import json
 import math
 import os
 from typing import Optional
@@ -166,17 +167,34 @@ def _probe(opts: common.Options, ld: common.Loaded, name: str):
   return probe
 
 
-def _calibrated(opts: common.Options) -> dict:
-  """{'calibrated': a one-point KL curve} at the eps of calibrate_eps, if it chose one."""
+def _calibrated(opts: common.Options, ld: common.Loaded) -> dict:
+  """{'calibrated': a one-point KL curve} at the eps of calibrate_eps, if it chose one for
+  this checkpoint, depth cap and data (its guarantee holds for those only)."""
   path = os.path.join(opts.workdir, 'reports', common.report_name('calibrate_eps', opts)
                       + '.json')
   if not os.path.exists(path):
     return {}
   try:
     eps = reports.read_results(path, ('eps',))['eps']
-  except ValueError as e:
-    raise common.SetupError(f'{e}; rerun calibrate_eps or pass --nocalibrated') from None
-  return {} if eps is None else {'calibrated': frontier.Curve('kl', [eps])}
+    with open(path, encoding='utf-8') as f:
+      rec = json.load(f)
+    was = {'step': rec['checkpoint']['step'], 'max depth': rec['flags']['r_max'],
+           'data': rec['checkpoint']['data_config']}
+  except (ValueError, KeyError, TypeError) as e:
+    raise common.SetupError(f'{path}: {e}; rerun calibrate_eps or pass --nocalibrated'
+                            ) from None
+  if eps is None:
+    return {}
+  now = {'step': ld.step, 'max depth': ld.r_max, 'data': dataclasses.asdict(ld.data_cfg)}
+  differ = [k for k in now if json.loads(json.dumps(now[k])) != was[k]]
+  if differ:
+    said = [f'{k} {was[k]} vs {now[k]} here' for k in differ if k != 'data']
+    raise common.SetupError(
+        f'{path} certified its eps for another {" and ".join(differ)} ('
+        + ', '.join(said + ['other data settings'] * ('data' in differ))
+        + '): its guarantee does not hold here; rerun calibrate_eps with the same --step, '
+        '--max_depth and data, or pass --nocalibrated')
+  return {'calibrated': frontier.Curve('kl', [eps])}
 
 
 def _interval(ci) -> str:
@@ -214,7 +232,7 @@ def run(opts: common.Options, x: SweepOptions = SweepOptions()) -> dict:
   ld = common.load(opts)
   common.check_reaches_mean(ld, 'the headline (A0 at the training mean)')
   probe = _probe(opts, ld, 'router') if x.router else None
-  extra = _calibrated(opts) if x.calibrated else {}
+  extra = _calibrated(opts, ld) if x.calibrated else {}
   kl_probes = ({sem: _probe(opts, ld, kl_probe.file_name(sem)) for sem in x.semantics}
                if x.kl_probe else None)
   res = frontier.sweep(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,

@@ -191,6 +191,11 @@ def test_calibrate_eps_end_to_end_and_marked_on_the_sweep(workdir):
   sw = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3], delta=0.01, calibrated=True))['results']
   assert ('calibrated' in sw['curves']) == (res['eps'] is not None)
+  if res['eps'] is not None:  # certified at another depth cap: no star from it
+    with pytest.raises(common.SetupError, match=r'certified its eps for another max depth '
+                       rf'\(max depth {res["r_max"]} vs {res["r_max"] + 1} here\)'):
+      sweep_eps.run(_opts(workdir, max_depth=res['r_max'] + 1), sweep_eps.SweepOptions(
+          eps_grid=[1e-3], delta=0.01, calibrated=True))
   with pytest.raises(common.SetupError, match='alpha'):
     calibrate_eps.run(_opts(workdir), dataclasses.replace(x, alpha=1.5))
   with pytest.raises(common.SetupError, match='--bound=inf must be finite'):
