@@ -10,6 +10,7 @@ uniform run at depth R and the A1 (KL exit) sweep over the same batches and keys
   * the frontier: A1's best gain over A0 at equal mean loops.
 """
 
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -52,7 +53,7 @@ def _variant(model, batches, rng, r_max, sweep, name, diff, sel, ks):
   return {'loss_a1': _by_k(scored['nll'][0], diff, sel, ks),
           'exit_depth_a1': _by_k(exit_depth, diff, sel, ks),
           'a1_eps': curve['threshold'][j], 'a1_mean_loops': curve['mean_loops'][j],
-          'a1_loss': curve['loss'][j], 'spearman_exit_k': float(np.nan_to_num(rho)),
+          'a1_loss': curve['loss'][j], 'spearman_exit_k': float(rho),  # NaN: undefined
           'best_gain_same_loops': float(-h['best_gap_same_loops']),
           'loops_share_within_delta': (None if h['best'] is None else
                                        h['best']['mean_loops'] / sweep['ref_depth']),
@@ -106,7 +107,12 @@ def _summary_line(name: str, v: dict, res: dict) -> str:
           + (f"{100 * share:.0f}% of the training-mean loops within {res['delta']} nats; "
              if share is not None else f"never within {res['delta']} nats; ")
           + f"best gain over A0 at equal loops {v['best_gain_same_loops']:+.3f} nats; "
-          f"Spearman(exit depth, k) = {v['spearman_exit_k']:.2f}")
+          f"Spearman(exit depth, k) = {_rho(v['spearman_exit_k'])}")
+
+
+def _rho(rho) -> str:
+  """A rank correlation, or 'undefined' (one class of k, or a constant exit depth)."""
+  return 'undefined' if rho is None or not math.isfinite(rho) else f'{rho:.2f}'
 
 
 def short_table(res: dict) -> str:
@@ -150,7 +156,7 @@ def plot(res: dict):
     for off, name in ((-0.2, 'kl_answers'), (0.2, 'kl')):
       v = res['a1'][name]
       ax.bar(x + off, v['exit_depth_a1'], width=0.4,
-             label=f"{name} (Spearman {v['spearman_exit_k']:.2f})")
+             label=f"{name} (Spearman {_rho(v['spearman_exit_k'])})")
     ax.set_xticks(x, [str(k) for k in res['k']])
     ax.set(xlabel='difficulty k', ylabel='mean A1 exit depth', title='exit depth by k')
     ax.legend(fontsize=7)

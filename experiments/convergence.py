@@ -43,9 +43,10 @@ def run(opts: common.Options, x: ConvergenceOptions = ConvergenceOptions()) -> d
   if not x.eps_conv > 0 or x.eps_conv == float('inf'):
     raise common.SetupError(f'--eps_conv={x.eps_conv} must be a finite KL threshold > 0')
   ld = common.load(opts)
+  common.check_reaches_mean(ld, 'the "loss @mean" column and the share still changing')
   trace = analysis.trace_batches(ld.model, ld.batches, ld.r_max, jax.random.key(opts.seed),
                                  opts.progress)
-  res = analysis.convergence(trace, ld.cfg.depth.mean, x.eps_conv, groups_for(ld, trace))
+  res = analysis.convergence(trace, common.train_mean(ld.cfg), x.eps_conv, groups_for(ld, trace))
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('convergence', opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=info,

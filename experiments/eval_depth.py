@@ -22,7 +22,7 @@ def run(opts: common.Options) -> dict:
                                  opts.progress)
   res = analysis.elasticity(trace)
   res.update(tokens=int((trace.mask > 0).sum()), train_mean=ld.cfg.depth.mean,
-             train_r_max=ld.cfg.depth.r_max, ref_depth=int(round(ld.cfg.depth.mean)))
+             train_r_max=ld.cfg.depth.r_max, ref_depth=int(round(common.train_mean(ld.cfg))))
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('eval_depth', opts), res,
                         flags=common.flag_record(opts, ld), checkpoint=info,

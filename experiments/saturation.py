@@ -5,11 +5,12 @@
 
 Reads each run's reports/eval_depth[_TAG].json; the saturation depth of a run is the
 smallest depth whose loss is within --delta of its best loss. Writes
-<out>/reports/saturation.{json,md,png}.
+<out>/reports/saturation[_TAG].{json,md,png}.
 """
 
 import math
 import os
+import re
 
 from absl import app, flags
 
@@ -34,6 +35,8 @@ def main(argv):
     flags_util.fail('--workdirs is required')
   if not (math.isfinite(DELTA.value) and DELTA.value >= 0):
     flags_util.fail(f'--delta={DELTA.value} must be a finite number >= 0')
+  if not re.fullmatch(r'[\w.-]*', TAG.value):
+    flags_util.fail(f'--tag={TAG.value!r}: letters, digits, _ . - only (it ends file names)')
   name = f'eval_depth_{TAG.value}' if TAG.value else 'eval_depth'
   runs = {}
   for wd in WORKDIRS.value:
@@ -50,7 +53,8 @@ def main(argv):
                       f'python -m experiments.eval_depth --workdir={wd}')
     runs[wd] = dict(depths=r['depths'], loss=r['loss'], train_mean=r['train_mean'],
                     saturation=saturation_depth(r['depths'], r['loss'], DELTA.value))
-  md = ('| run | training mean depth | saturation depth (within '
+  md = (f'Loss vs uniform depth from each run\'s reports/{name}.json\n\n'
+        '| run | training mean depth | saturation depth (within '
         f'{DELTA.value} nats of best) | loss @1 | loss @2 | loss @4 | loss @8 | best |\n'
         '|---|---|---|---|---|---|---|---|\n')
   for wd, r in runs.items():
@@ -69,7 +73,8 @@ def main(argv):
     ax.set(xscale='log', xlabel='uniform depth (loops)', ylabel='validation loss (nats/token)',
            title='saturation: dotted = training mean, dashed = saturation depth')
     ax.legend()
-  paths = reports.write(OUT.value, 'saturation', runs, flags={'workdirs': WORKDIRS.value,
+  out_name = f'saturation_{TAG.value}' if TAG.value else 'saturation'
+  paths = reports.write(OUT.value, out_name, runs, flags={'workdirs': WORKDIRS.value,
                                                    'delta': DELTA.value, 'tag': TAG.value},
                         checkpoint={}, markdown=md, plot=plot)
   print(md)

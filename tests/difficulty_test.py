@@ -48,3 +48,17 @@ def test_exit_depth_rises_with_k_and_depth_is_used_by_the_hard_answers(tmp_path)
   r1, ref = report['loss_depth1'], report['loss_train_mean']
   assert r1[-1] - ref[-1] >= 0.5, (r1, ref)  # no recurrence: r1 == ref
   assert ref[0] < 0.5, ref  # the easiest level is learned
+
+
+def test_an_undefined_rank_correlation_is_said_not_shown_as_zero():
+  """One class of k (or a constant exit depth): Spearman is undefined, written as JSON null
+  and 'undefined' in the text, not 0.00 (which reads as 'exit depth ignores k')."""
+  from elastic_depth import reports  # pylint: disable=g-import-not-at-top
+  v = {'a1_eps': 1e-3, 'a1_mean_loops': 2.0, 'a1_loss': 0.1, 'best_gain_same_loops': 0.0,
+       'loops_share_within_delta': 0.5, 'spearman_exit_k': float('nan')}
+  line = difficulty._summary_line('kl', v, {'ref_depth': 4.0, 'ref_loss': 0.1, 'delta': 0.01})
+  assert line.endswith('Spearman(exit depth, k) = undefined'), line
+  assert reports.clean(v)['spearman_exit_k'] is None
+  v['spearman_exit_k'] = 0.4
+  assert difficulty._summary_line('kl', v, {'ref_depth': 4.0, 'ref_loss': 0.1,
+                                            'delta': 0.01}).endswith('= 0.40')

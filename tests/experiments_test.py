@@ -124,7 +124,8 @@ def test_settings_the_model_cannot_score_are_refused_before_any_work(workdir):
   assert 1 <= low < cfg.depth.mean
   opts = dataclasses.replace(_opts(workdir), max_depth=low, batches=1)
   for run in (lambda: sweep_eps.run(opts, sweep_eps.SweepOptions(eps_grid=(0.1,))),
-              lambda: difficulty_main.run(opts)):
+              lambda: difficulty_main.run(opts),
+              lambda: convergence.run(opts)):  # its "loss @mean" column held loss @R
     with pytest.raises(common.SetupError, match=f'--max_depth={low} is below the training '
                                                 'mean depth'):
       run()
@@ -612,6 +613,14 @@ def test_saturation_reads_eval_depth_reports_and_refuses_bad_ones(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   got = _numbers(str(tmp_path / 'sat' / 'reports' / 'saturation.json'))[good]['saturation']
   assert got == min(d for d, l in zip(range(1, 6), loss) if l <= min(loss) + 0.02) == 3
+  # a tagged run reads and writes tagged files, beside the untagged ones (it overwrote them)
+  reports.write(good, 'eval_depth_fw', dict(depths=[1, 2], loss=[2.0, 1.0], train_mean=2),
+                flags={}, checkpoint={}, markdown='')
+  out = run(f'--workdirs={good}', f'--out={tmp_path / "sat"}', '--tag=fw')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert _numbers(str(tmp_path / 'sat' / 'reports' / 'saturation_fw.json'))[good]['saturation'] == 2
+  assert _numbers(str(tmp_path / 'sat' / 'reports' / 'saturation.json'))[good]['saturation'] == 3
+  assert 'reports/eval_depth_fw.json' in (tmp_path / 'sat' / 'reports' / 'saturation_fw.md').read_text()
   for args, words in (([f'--workdirs={bad}'], 'empty, missing or not finite'),
                       ([f'--workdirs={good}', 'stray'], "unexpected arguments ['stray']")):
     out = run(*args, f'--out={tmp_path / "sat2"}')
