@@ -59,7 +59,7 @@ DELTA = flags.DEFINE_float('delta', SweepOptions.delta, 'Loss tolerance (nats/to
 CURVES = flags.DEFINE_list('curves', list(SweepOptions.curves), 'Exit curves: kl (A1), '
                            'gated_kl (A1 where the state change < the median at loop 2), '
                            'reverse_kl, state_delta.')
-ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router.json '
+ROUTER = flags.DEFINE_bool('router', False, 'Add the A2 curve from <workdir>/router[_TAG].json '
                            '(python -m experiments.train_router); refused if the router '
                            'was fitted on batches this sweep scores.')
 KL_PROBE = flags.DEFINE_bool('kl_probe', False, 'Add the kl_probe curve (the KL estimated '
@@ -138,9 +138,10 @@ def _positive_ints(xs, name: str) -> tuple[int, ...]:
 def _probe(opts: common.Options, ld: common.Loaded, name: str):
   """The workdir's state probe `name` (router, or a kl_probe file); SetupError if it is
   missing, unreadable or saw any batch scored here."""
-  path = os.path.join(opts.workdir, f'{name}.json')
+  path = os.path.join(opts.workdir, common.report_name(name, opts) + '.json')
   fit_flag = {'router': '', 'kl_probe': ' --probe=kl_probe',
               'kl_probe_cached': ' --probe=kl_probe --probe_semantics=cached'}[name]
+  fit_flag += f' --tag={opts.tag}' if opts.tag else ''
   flag = 'router' if name == 'router' else 'kl_probe'
   if not os.path.exists(path):
     raise common.SetupError(f'--{flag}: no {path}; run python -m experiments.train_router'

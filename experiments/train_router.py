@@ -18,7 +18,8 @@ later loop up to R. Training pairs come from validation batches --fit_from ..
 --fit_from + --fit_batches - 1, after the ones sweep_eps scores by default (0..7), so the
 A2 curve is held out; accuracy and calibration are reported on batches 0..--fit_from - 1.
 router.json records which validation tokens the probe saw, and sweep_eps refuses to
-score them. Writes <workdir>/router.json and <workdir>/reports/router.{json,md,png}.
+score them. Writes <workdir>/router[_TAG].json and <workdir>/reports/router[_TAG].{json,md,png}
+(a --tag names the probe as it names the report; sweep_eps --tag=TAG reads that probe).
 """
 
 import dataclasses
@@ -146,7 +147,7 @@ def run(opts: common.Options, x: RouterOptions = RouterOptions()) -> dict:
   res = {'train': router.evaluate(probe, fit_h), 'heldout': router.evaluate(probe, test_h),
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.labels_N))}
   res['fit'] = fit
-  path = os.path.join(opts.workdir, 'router.json')
+  path = os.path.join(opts.workdir, common.report_name('router', opts) + '.json')
   _refuse_non_finite(probe, path)
   router.save(probe, path, fit)
   h = res['heldout']
@@ -187,7 +188,7 @@ def _run_kl_probe(opts: common.Options, x: RouterOptions, ld, rng, fit: dict,
          'r_max': ld.r_max, 'pairs_train': int(len(fit_h.log_kl_N)), 'fit': fit,
          'semantics': sem}
   name = kl_probe.file_name(sem)
-  path = os.path.join(opts.workdir, f'{name}.json')
+  path = os.path.join(opts.workdir, common.report_name(name, opts) + '.json')
   _refuse_non_finite(probe, path)
   kl_probe.save(probe, path, fit)
   md = ('| split | pairs | RMSE of log KL | Spearman(probe, KL) | Spearman(state change, KL) '

@@ -112,6 +112,11 @@ def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
                         '--tag=a/b'], cwd=REPO, capture_output=True, text=True, timeout=120,
                        check=False)
   assert out.returncode == 2 and out.stderr.startswith("error: --tag='a/b'"), out.stderr
+  # a tag that would name the cached probe's files (kl_probe + _cached) is refused too
+  out = subprocess.run([sys.executable, '-m', 'experiments.train_router', f'--workdir={workdir}',
+                        '--probe=kl_probe', '--tag=cached'], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 2 and out.stderr.startswith("error: --tag='cached' would name"), out.stderr
 
 
 def test_settings_the_model_cannot_score_are_refused_before_any_work(workdir):
@@ -215,6 +220,16 @@ def test_router_is_fitted_on_batches_the_sweep_refuses_to_score(workdir):
   ok = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3], router=True, router_grid=[0.5]))['results']
   assert 'router' in ok['curves']  # batches 0..1: held out
+  # a tagged fit names its probe as it names its report, and the untagged probe stays
+  before = open(out['router'], 'rb').read()
+  tagged = train_router.run(_opts(workdir, tag='t1'), train_router.RouterOptions(
+      steps=5, lr=1e-2, max_pairs=1000, fit_from=3, fit_batches=1))
+  assert tagged['router'] == os.path.join(workdir, 'router_t1.json')
+  assert open(out['router'], 'rb').read() == before
+  with open(tagged['router'], encoding='utf-8') as f:
+    assert json.load(f)['fit']['batches'] == [3] == _numbers(tagged['paths']['json'])['fit']['batches']
+  with pytest.raises(common.SetupError, match='no .*router_t2.json; run .*train_router --tag=t2 --workdir='):
+    sweep_eps.run(_opts(workdir, tag='t2'), sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
   with pytest.raises(common.SetupError, match='in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
                   sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
