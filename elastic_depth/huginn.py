@@ -54,7 +54,7 @@ def model_config(hf: dict) -> ModelConfig:
   """Our ModelConfig for a Huginn config.json dict (HuginnError if unsupported)."""
   try:
     return _model_config(hf)
-  except (TypeError, ValueError) as e:
+  except (TypeError, ValueError, AttributeError) as e:
     if isinstance(e, HuginnError):
       raise
     raise HuginnError(f'{CONFIG_FILE}: a field has an unusable value ({e})') from None
@@ -74,7 +74,9 @@ def _model_config(hf: dict) -> ModelConfig:
     raise HuginnError(f'num_key_value_heads={kv_heads} != n_heads={heads}: Huginn\'s qk_bias '
                       'is per query head, only multi-head attention is supported')
   init = hf.get('init_values') or {}
-  scale = float(init.get('embed_scale', math.sqrt(d)))
+  if not isinstance(init, dict):
+    raise HuginnError(f'{CONFIG_FILE}: init_values={init!r} is not a mapping')
+  scale = math.sqrt(d)  # Huginn scales by sqrt(n_embd) whatever init_values.embed_scale says
   std = float(init.get('std', math.sqrt(2 / (5 * d))))
   return ModelConfig(
       vocab_size=int(_get(hf, 'padded_vocab_size', 'vocab_size')), d_model=d,
@@ -90,17 +92,20 @@ def _model_config(hf: dict) -> ModelConfig:
       embed_scale=scale, qk_bias=bool(hf.get('qk_bias', False)), norm_before_coda=True)
 
 
-def full_config(hf: dict, r_max: int = 32, seq_len: int = 1024, batch_size: int = 8,
+def full_config(hf: dict, r_max: int = 32, seq_len: int = 0, batch_size: int = 8,
                 dtype: str = 'float32') -> Config:
   """The Config of an imported workdir: model, depth prior, text data with its tokenizer."""
   m = model_config(hf)
   m.dtype = dtype
+  seq_len = seq_len or min(1024, m.max_len)  # 0: the default evaluation length
+  if seq_len > m.max_len:
+    raise HuginnError(f'seq_len={seq_len} exceeds the model\'s block_size={m.max_len}')
   mean = float(hf.get('mean_recurrence', 32))
   buckets = tuple(b for b in DepthConfig().buckets if b < r_max) + (r_max,)
   cfg = Config(model=m,
                depth=DepthConfig(mean=min(mean, r_max), r_max=r_max, buckets=buckets),
                data=DataConfig(source='text', tokenizer='train'),
-               train=TrainConfig(seq_len=min(seq_len, m.max_len), batch_size=batch_size),
+               train=TrainConfig(seq_len=seq_len, batch_size=batch_size),
                exit=ExitConfig(max_loops=r_max, depth=min(int(mean), r_max)))
   validate(cfg)
   return cfg
@@ -241,10 +246,13 @@ def _check_tree(params: dict, m: ModelConfig) -> None:
 
 
 def _check_workdir(workdir: str) -> None:
-  taken = [n for n in (CONFIG_FILE, 'checkpoints') if os.path.exists(os.path.join(workdir, n))]
+  """HuginnError unless workdir is new or an empty folder (nothing in it is overwritten)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise HuginnError(f'--workdir={workdir} is a file, not a folder: choose a new folder')
+  taken = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []
   if taken:
-    raise HuginnError(f'--workdir={workdir} already holds {taken}: choose a new folder '
-                      '(nothing is overwritten)')
+    raise HuginnError(f'--workdir={workdir} already holds {taken[:5]}: choose a new or empty '
+                      'folder (nothing is overwritten)')
 
 
 def _tokenizer(snap: str, m: ModelConfig):
@@ -260,7 +268,7 @@ def _tokenizer(snap: str, m: ModelConfig):
                       'tokenizer lacks it)') from None
 
 
-def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 1024,
+def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 0,
                   batch_size: int = 8, dtype: str = 'float32',
                   log: Callable[[str], None] = print) -> dict:
   """Converts a Huginn checkpoint into a workdir that experiments load like a trained run.
@@ -270,7 +278,8 @@ def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 102
     workdir: new folder; receives config.json, checkpoints/ (step 0, parameters only)
       and the source's tokenizer.json when it has one.
     r_max: largest depth the experiments evaluate by default (depth.r_max, exit.max_loops).
-    seq_len, batch_size: default evaluation shape (train.seq_len, train.batch_size).
+    seq_len, batch_size: default evaluation shape (train.seq_len, train.batch_size);
+      seq_len 0 is 1024 capped at the model's block_size, a larger one is refused.
     dtype: compute dtype recorded in the config (parameters are always fp32).
     log: progress printer.
 

@@ -29,11 +29,10 @@ from experiments import flags_util
 SRC = flags.DEFINE_string('src', None, 'Snapshot folder, .safetensors file or hub name.')
 WORKDIR = flags.DEFINE_string('workdir', None, 'New folder for the imported run.')
 R_MAX = flags.DEFINE_integer('r_max', 32, 'Default largest depth of the experiments.')
-SEQ_LEN = flags.DEFINE_integer('seq_len', 1024, 'Default evaluation sequence length.')
+SEQ_LEN = flags.DEFINE_integer('seq_len', 0, 'Default evaluation sequence length (0: 1024, at '
+                               'most the model\'s block_size).', lower_bound=0)
 BATCH_SIZE = flags.DEFINE_integer('batch_size', 8, 'Default evaluation batch size.')
 DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Only print the memory plan (needs config.json).')
-DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16', 'float16'],
-                          'Compute dtype recorded in the config (parameters stay fp32).')
 
 
 def _dry_run() -> None:
@@ -41,7 +40,7 @@ def _dry_run() -> None:
   if not os.path.isfile(os.path.join(src, snapshot.CONFIG_FILE)):
     raise snapshot.SourceError(f'--dry_run needs a local {snapshot.CONFIG_FILE}: none in {src}')
   cfg = huginn.full_config(snapshot.read_hf_config(src), R_MAX.value, SEQ_LEN.value,
-                           BATCH_SIZE.value, DTYPE.value)
+                           BATCH_SIZE.value)
   print(json.dumps(huginn.memory_plan(cfg, BATCH_SIZE.value, cfg.train.seq_len), indent=1))
 
 
@@ -56,7 +55,7 @@ def main(argv):
       _dry_run()
       return
     huginn.import_huginn(SRC.value, WORKDIR.value, r_max=R_MAX.value, seq_len=SEQ_LEN.value,
-                         batch_size=BATCH_SIZE.value, dtype=DTYPE.value)
+                         batch_size=BATCH_SIZE.value)
   except (snapshot.SourceError, ConfigError, checkpoint.CheckpointError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

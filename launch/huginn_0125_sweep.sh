@@ -13,8 +13,9 @@
 #   source, python -m experiments.bench_import, 2026-12-03; Huginn-0125: 14.3 GB fp32), so a
 #   32 GB machine is enough; checkpoint <= 14.3 GB on disk. Device, from the compiled memory
 #   analysis (python -m experiments.import_huginn --src=SNAPSHOT --dry_run; XLA:CPU here,
-#   batch 8 x 1024, depth 32): traced pass 14.26 GB parameters + 9.49 GB temporaries = 23.8
-#   GB, KL-exit pass 14.26 + 10.70 = 25.0 GB. H200 (141 GB): fits. TPU v5e (16 GB per chip):
+#   batch 8 x 1024, depth 32; rerun 2026-12-07): traced pass 14.26 GB parameters + 11.11 GB
+#   temporaries = 25.4 GB, KL-exit pass 14.26 + 11.26 = 25.5 GB (2026-12-03: 9.49 and 10.70
+#   GB of temporaries). H200 (141 GB): fits. TPU v5e (16 GB per chip):
 #   does NOT fit on one chip and the experiments do not shard parameters, so v5e-8 needs
 #   tensor-parallel sharding first (not implemented).
 # FLOPs: one traced pass to depth 32 (coda + head read out at every loop) is 1.81e11 per

@@ -254,3 +254,39 @@ def test_huginn_0125_sweep_script_runs_end_to_end_on_the_fixture(tmp_path):
   assert {'kl', 'router'} <= set(sw['results']['curves']) and sw['flags']['batches'] == 10
   assert (wd / 'reports' / 'eval_depth.json').is_file()
   assert (wd / 'reports' / 'convergence.json').is_file()
+
+
+def test_config_fields_huginn_ignores_or_cannot_honour(tmp_path):
+  """Huginn scales embeddings by sqrt(n_embd) whatever init_values.embed_scale says (we
+  used the field); init_values that is no mapping, and a seq_len above block_size (it was
+  clamped in silence), are refused by name; seq_len 0 is 1024 capped at block_size."""
+  hf = json.loads((FIXTURE / 'config.json').read_text())
+  d = int(hf['n_embd'])
+  m = huginn.model_config(dict(hf, init_values=dict(hf.get('init_values') or {}, embed_scale=4.0)))
+  assert m.embed_scale == pytest.approx(np.sqrt(d))
+  with pytest.raises(huginn.HuginnError, match='init_values=.* is not a mapping'):
+    huginn.model_config(dict(hf, init_values=[1, 2]))
+  block = int(hf['block_size'])
+  with pytest.raises(huginn.HuginnError, match=f"seq_len={block + 1} exceeds the model's "
+                     f'block_size={block}'):
+    huginn.full_config(hf, seq_len=block + 1)
+  assert huginn.full_config(hf).train.seq_len == min(1024, block)
+
+
+def test_a_workdir_that_holds_anything_or_is_a_file_is_refused_before_converting(tmp_path):
+  """Nothing in it is overwritten: a folder holding only a tokenizer.json had that file
+  replaced; a workdir that is a file failed with a traceback after the conversion."""
+  src = _snapshot(tmp_path / 'src', _weights())
+  _small_tokenizer(tmp_path / 'src')
+  (tmp_path / 'wd').mkdir()
+  (tmp_path / 'wd' / 'tokenizer.json').write_text('mine')
+  (tmp_path / 'file').write_text('mine too')
+  logs = []
+  for wd, words in ((tmp_path / 'wd', r"already holds \['tokenizer.json'\]"),
+                    (tmp_path / 'file', 'is a file, not a folder')):
+    with pytest.raises(huginn.HuginnError, match=words):
+      huginn.import_huginn(src, str(wd), log=logs.append)
+  assert not logs  # refused before a tensor was read
+  assert (tmp_path / 'wd' / 'tokenizer.json').read_text() == 'mine'
+  assert (tmp_path / 'file').read_text() == 'mine too'
+  huginn.import_huginn(src, str(tmp_path / 'empty'), r_max=4, log=logs.append)  # new: fine
