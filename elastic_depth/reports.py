@@ -122,6 +122,10 @@ def convergence_markdown(res: dict, checkpoint: dict) -> str:
                 a['share_changing_after_ref']],
                ['KL < eps_conv', k['mean'], k['median'], k['p90'],
                 k['share_changing_after_ref']]])
+  if k.get('share_not_converged'):
+    md += (f"\nKL < eps_conv: {100 * k['share_not_converged']:.1f}% of the tokens never fell "
+           f"below eps_conv within R={res['r_max']} loops; the row counts them at depth "
+           f"{res['r_max'] + 1}.\n")
   md += '\n' + table(['loop', 'loss', 'mean KL', 'mean rev KL', 'mean rel. change',
                       'share argmax changed'],
                      [[i, pl['loss'][i - 1], pl['mean_kl'][i - 1], pl['mean_rkl'][i - 1],
@@ -242,6 +246,10 @@ def sweep_plot(res: dict):
         ax.plot(np.asarray(c[key]) * scale, c['loss'], style[0], ms=style[1], label=name)
       ref = float(np.interp(res['ref_depth'], a0['mean_loops'], a0['loss']))
       ax.axhline(ref + res['delta'], color='gray', ls=':', label='A0 @ref + delta')
+      if 'a0_cached' in res:  # the line the '@cached' curves are judged against
+        a0c = res['a0_cached']
+        ref = float(np.interp(res['ref_depth'], a0c['mean_loops'], a0c['loss']))
+        ax.axhline(ref + res['delta'], color='gray', ls='-.', label='A0 @ref + delta @cached')
       ax.set_xlabel(label)
       ax.set_ylabel('NLL (nats/token)')
       ax.legend(fontsize=8)

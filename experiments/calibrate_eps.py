@@ -87,7 +87,9 @@ def _markdown(res: dict, info: dict) -> str:
 def _plot(res: dict):
   def plot(fig):
     ax = fig.add_subplot(1, 1, 1)
-    ax.semilogx(res['eps_grid'], res['calibration_risk_by_eps'], 'o-', label='calibration risk')
+    ax.plot(res['eps_grid'], res['calibration_risk_by_eps'], 'o-', label='calibration risk')
+    positive = [e for e in res['eps_grid'] if e > 0]  # symlog keeps eps = 0 on the axis
+    ax.set_xscale('symlog', linthresh=min(positive) if positive else 1e-12)
     ax.axhline(res['delta'], color='gray', ls=':', label='delta')
     if res['eps'] is not None:
       ax.axvline(res['eps'], color='r', ls='--', label=f"chosen eps={res['eps']:.3g}")

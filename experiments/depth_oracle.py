@@ -76,7 +76,10 @@ def markdown(res: dict) -> str:
           f"at depth {res['prefill_depth']}, {res['new_tokens']} tokens decoded; loss on "
           f"answers, {100 * res['answer_share']:.1f}% of the decoded tokens predict one).\n\n"
           + reports.table(['schedule', 'answer loss', 'mean loops', 'loops (answers)',
-                           'loops (others)', 'uniform at equal loops', 'gap'], rows) + '\n')
+                           'loops (others)', 'uniform at equal loops', 'gap'], rows) + '\n'
+          + ('' if sum(p['rule'] == 'uniform' for p in res['points']) >= 2 else
+             'The gaps need at least two uniform schedules (uniform:N) to interpolate '
+             'between.\n'))
 
 
 def plot(res: dict):
@@ -84,7 +87,8 @@ def plot(res: dict):
   def draw(fig):
     ax = fig.add_subplot(1, 1, 1)
     uni = sorted((p['mean_loops'], p['loss']) for p in res['points'] if p['rule'] == 'uniform')
-    ax.plot(*zip(*uni), 'k-o', label='uniform depth')
+    if uni:  # no empty legend entry without uniform schedules
+      ax.plot(*zip(*uni), 'k-o', label='uniform depth')
     rules = sorted({p['rule'] for p in res['points']} - {'uniform'})
     for j, rule in enumerate(rules):  # one colour and marker per rule, each point its args
       pts = [p for p in res['points'] if p['rule'] == rule]

@@ -671,3 +671,30 @@ def test_measurement_mains_show_the_shared_flags_in_helpshort(module):
   from absl import flags  # pylint: disable=g-import-not-at-top
   names = {f.name for f in flags.FLAGS.get_key_flags_for_module(module.__name__)}
   assert {'workdir', 'max_depth', 'batches', 'data_paths', 'data_val_paths'} <= names, names
+
+
+def test_report_plots_show_what_their_data_holds():
+  """depth_oracle without uniform schedules: no empty 'uniform depth' legend entry, and the
+  table says why its gaps are empty; calibrate_eps keeps eps = 0 on its axis (a log axis
+  dropped the only eps a grid may certify)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+  pts = [dict(rule='kl', schedule=f'kl:{e}', mean_loops=m, loss=l, loops_answer=m,
+              loops_other=m, uniform_loss=None, gap=None) for e, m, l in
+         ((0.01, 2.0, 0.5), (0.1, 1.5, 0.7))]
+  res = dict(points=pts, workdir='w', step=1, windows=2, prompt_len=4, prefill_depth=2,
+             new_tokens=4, answer_share=0.5)
+  fig = figure.Figure()
+  depth_oracle.plot(res)(fig)
+  labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  assert labels == ['kl'], labels
+  assert 'at least two uniform schedules' in depth_oracle.markdown(res)
+  grid = [0.0, 1e-4, 1e-3, 1e-2]
+  fig = figure.Figure()
+  calibrate_eps._plot(dict(eps_grid=grid, calibration_risk_by_eps=[0.0, 0.01, 0.02, 0.2],
+                           delta=0.05, eps=1e-3, risk='loss'))(fig)
+  ax = fig.axes[0]
+  x = ax.lines[0].get_xdata()
+  lo, hi = ax.get_xlim()
+  assert list(x) == grid and ax.get_xscale() == 'symlog' and lo <= 0.0 <= hi

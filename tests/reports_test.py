@@ -63,3 +63,36 @@ def test_read_results_returns_what_write_wrote_and_names_a_bad_file(tmp_path):
   (tmp_path / 'other.json').write_text('[1, 2]')
   with pytest.raises(ValueError, match='other.json is not a readable report .TypeError'):
     reports.read_results(str(tmp_path / 'other.json'))
+
+
+def test_convergence_markdown_says_how_many_tokens_never_converged():
+  """Tokens whose KL never falls below eps_conv within R loops count at depth R + 1 in the
+  KL row's mean and shares; the text says so and how many (it was only in the JSON)."""
+  dist = lambda share: dict(mean=3.7, median=3.0, p90=5.0, share_changing_after_ref=0.08,
+                            **share)
+  res = dict(r_max=6, ref_depth=5, eps_conv=1e-3, tokens=1082,
+             per_loop=dict(loop=[1], loss=[2.0], mean_kl=[0.1], mean_rkl=[0.1],
+                           mean_delta=[0.5], mean_argmax_changed=[0.2]),
+             argmax_depth=dist({}), kl_depth=dist({'share_not_converged': 26 / 1082}))
+  md = reports.convergence_markdown(res, {'workdir': 'w', 'step': 1, 'data': 'd'})
+  assert '2.4% of the tokens never fell below eps_conv within R=6 loops' in md
+  assert 'counts them at depth 7' in md
+  res['kl_depth']['share_not_converged'] = 0.0
+  assert 'never fell' not in reports.convergence_markdown(res, {})
+
+
+def test_sweep_plot_draws_each_semantics_quality_line():
+  """With cached semantics the plot draws the A0 @ref + delta line the '@cached' curves are
+  judged against, at its own height (only the parallel line was drawn)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+  a0 = dict(mean_loops=[1.0, 2.0, 4.0], flops=[1e9, 2e9, 4e9], loss=[1.0, 0.5, 0.4])
+  a0c = dict(mean_loops=[1.0, 2.0, 4.0], flops=[1e9, 2e9, 4e9], loss=[1.1, 0.6, 0.45])
+  res = dict(a0=a0, a0_cached=a0c, curves={}, ref_depth=2.0, delta=0.01)
+  fig = figure.Figure()
+  reports.sweep_plot(res)(fig)
+  for ax in fig.axes:
+    lines = {l.get_label(): l.get_ydata()[0] for l in ax.lines}
+    assert lines['A0 @ref + delta'] == pytest.approx(0.51)
+    assert lines['A0 @ref + delta @cached'] == pytest.approx(0.61)
