@@ -195,8 +195,14 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
         [[c['threshold'][i], c['mean_loops'][i], c['loss'][i], c['mean_core_passes'][i],
           c['flops'][i] / 1e9, c['flops_active'][i] / 1e9, c['mean_readouts'][i],
           c['share_max_depth'][i], fr['a0_loss_same_loops'][i], fr['gap_same_loops'][i],
-          fr['a0_loss_same_flops'][i]] for i in range(len(c['threshold']))])
+          _in_range(fr, i)] for i in range(len(c['threshold']))])
   return md + _books_markdown(res.get('check_books') or {})
+
+
+def _in_range(fr: dict, i: int):
+  """A0's loss at point i's FLOPs, or None ('-') where they lie outside A0's FLOP range
+  (the JSON keeps np.interp's clamped value beside 'flops_in_a0_range')."""
+  return fr['a0_loss_same_flops'][i] if fr.get('flops_in_a0_range', [True] * (i + 1))[i] else None
 
 
 def _ci(ci) -> str:

@@ -96,3 +96,11 @@ def test_sweep_plot_draws_each_semantics_quality_line():
     lines = {l.get_label(): l.get_ydata()[0] for l in ax.lines}
     assert lines['A0 @ref + delta'] == pytest.approx(0.51)
     assert lines['A0 @ref + delta @cached'] == pytest.approx(0.61)
+
+
+def test_a0_loss_at_equal_flops_is_blank_outside_a0s_flop_range():
+  """np.interp clamps outside A0's FLOP range, so the sweep table shows '-' there rather
+  than A0's end value as if it were A0's loss at that cost (older JSONs lack the flag)."""
+  fr = {'a0_loss_same_flops': [1.0, 2.0], 'flops_in_a0_range': [True, False]}
+  assert reports._in_range(fr, 0) == 1.0 and reports._in_range(fr, 1) is None
+  assert reports._in_range({'a0_loss_same_flops': [3.0]}, 0) == 3.0
