@@ -97,6 +97,8 @@ def full_config(hf: dict, r_max: int = 32, seq_len: int = 0, batch_size: int = 8
   """The Config of an imported workdir: model, depth prior, text data with its tokenizer."""
   m = model_config(hf)
   m.dtype = dtype
+  if r_max < 1:  # else depth.mean = min(mean, r_max) is named, not the setting given
+    raise HuginnError(f'r_max={r_max} must be >= 1')
   seq_len = seq_len or min(1024, m.max_len)  # 0: the default evaluation length
   if seq_len > m.max_len:
     raise HuginnError(f'seq_len={seq_len} exceeds the model\'s block_size={m.max_len}')

@@ -271,6 +271,8 @@ def test_config_fields_huginn_ignores_or_cannot_honour(tmp_path):
                      f'block_size={block}'):
     huginn.full_config(hf, seq_len=block + 1)
   assert huginn.full_config(hf).train.seq_len == min(1024, block)
+  with pytest.raises(huginn.HuginnError, match='r_max=0 must be >= 1'):
+    huginn.full_config(hf, r_max=0)
 
 
 def test_a_workdir_that_holds_anything_or_is_a_file_is_refused_before_converting(tmp_path):
