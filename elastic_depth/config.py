@@ -353,8 +353,9 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def check_exit(e: ExitConfig) -> None:
-  """ConfigError for an exit config the engines cannot honour; fields given as arrays
-  (traced thresholds) are skipped. eps < 0 is allowed: a threshold no check reaches."""
+  """ConfigError for an exit config the engines cannot honour; concrete values (numbers,
+  numpy or jax scalars and arrays) are checked, traced ones skipped. eps < 0 is allowed: a
+  threshold no check reaches."""
   for f in ('depth', 'min_loops', 'max_loops', 'check_every', 'compact_steps', 'patience'):
     v = _concrete(getattr(e, f))
     if v is not None and not np.all(v >= 1):

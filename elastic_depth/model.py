@@ -360,9 +360,9 @@ def bind(graphdef, params) -> LoopedLM:
 
 
 def check_tokens(cfg: ModelConfig, tokens_BxL, what: str = 'tokens', extra: int = 0) -> None:
-  """ValueError unless tokens are [B, L] integer ids with 1 <= L, L + extra <= cfg.max_len and, when
-  their values are known here (not traced), every id in [0, vocab_size): an id out of
-  range would gather a NaN embedding or wrap around, silently."""
+  """ValueError unless tokens are [B, L] integer ids with 1 <= L, L + extra <= cfg.max_len
+  and, when their values are known here (not traced), every id in [0, vocab_size): an id
+  out of range would gather a NaN embedding or wrap around, silently."""
   shape = jnp.shape(tokens_BxL)
   if len(shape) != 2 or not jnp.issubdtype(jnp.result_type(tokens_BxL), jnp.integer):
     raise ValueError(f'{what} must be [B, L] integer token ids, got shape {shape} of '

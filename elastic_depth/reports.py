@@ -202,7 +202,8 @@ def sweep_markdown(res: dict, checkpoint: dict) -> str:
 def _in_range(fr: dict, i: int):
   """A0's loss at point i's FLOPs, or None ('-') where they lie outside A0's FLOP range
   (the JSON keeps np.interp's clamped value beside 'flops_in_a0_range')."""
-  return fr['a0_loss_same_flops'][i] if fr.get('flops_in_a0_range', [True] * (i + 1))[i] else None
+  inside = fr.get('flops_in_a0_range')  # absent from JSONs written before the flag
+  return fr['a0_loss_same_flops'][i] if inside is None or inside[i] else None
 
 
 def _ci(ci) -> str:

@@ -44,7 +44,8 @@ _BATCHES = flags.DEFINE_integer('batches', 1000, 'Batches drawn per input measur
                                 lower_bound=1)
 _PEAK = flags.DEFINE_float('peak_tflops', 989.0, 'Accelerator dense bf16 peak (H200: 989).')
 _MFU = flags.DEFINE_float('mfu', 0.45, 'Model FLOP utilisation assumed for the step.')
-_SPARSE_TOKENS = flags.DEFINE_integer('sparse_tokens', 2**31, 'Tokens of the sparse shard set.',
+_SPARSE_TOKENS = flags.DEFINE_integer('sparse_tokens', 2**31, 'Tokens of the sparse shard set '
+                                      '(at least 2^21: two train shards beside 2^20 of val).',
                                       lower_bound=2**21)
 flags_util.require('peak_tflops', lambda x: 0 < x < float('inf'), 'a positive finite number')
 flags_util.require('mfu', lambda x: 0 < x <= 1, 'in (0, 1]')

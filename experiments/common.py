@@ -82,8 +82,8 @@ def options_from_flags() -> Options:
   if not re.fullmatch(r'[\w.-]*', _F.tag):
     raise SetupError(f'--tag={_F.tag!r}: letters, digits, _ . - only (it ends report file '
                      'names)')
-  if re.match(r'(cached|parallel)(_|$)', _F.tag):  # kl_probe_cached[_TAG] is the cached
-    raise SetupError(f'--tag={_F.tag!r} would name another semantics\' files '  # probe's
+  if re.match(r'(cached|parallel)(_|$)', _F.tag):  # kl_probe + _cached names the cached probe
+    raise SetupError(f'--tag={_F.tag!r} would name another semantics\' files '
                      '(kl_probe_cached...); choose a tag not starting with cached or parallel')
   return Options(workdir=_F.workdir, step=_F.step, max_depth=_F.max_depth,
                  batches=_F.batches, batch_size=_F.batch_size, seq_len=_F.seq_len,

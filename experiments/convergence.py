@@ -46,7 +46,8 @@ def run(opts: common.Options, x: ConvergenceOptions = ConvergenceOptions()) -> d
   common.check_reaches_mean(ld, 'the "loss @mean" column and the share still changing')
   trace = analysis.trace_batches(ld.model, ld.batches, ld.r_max, jax.random.key(opts.seed),
                                  opts.progress)
-  res = analysis.convergence(trace, common.train_mean(ld.cfg), x.eps_conv, groups_for(ld, trace))
+  res = analysis.convergence(trace, common.train_mean(ld.cfg), x.eps_conv,
+                             groups_for(ld, trace))
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('convergence', opts), res,
                         flags=common.flag_record(opts, ld, x), checkpoint=info,

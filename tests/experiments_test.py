@@ -116,7 +116,8 @@ def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
   out = subprocess.run([sys.executable, '-m', 'experiments.train_router', f'--workdir={workdir}',
                         '--probe=kl_probe', '--tag=cached'], cwd=REPO, capture_output=True,
                        text=True, timeout=120, check=False)
-  assert out.returncode == 2 and out.stderr.startswith("error: --tag='cached' would name"), out.stderr
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.startswith("error: --tag='cached' would name"), out.stderr
 
 
 def test_settings_the_model_cannot_score_are_refused_before_any_work(workdir):
@@ -227,8 +228,10 @@ def test_router_is_fitted_on_batches_the_sweep_refuses_to_score(workdir):
   assert tagged['router'] == os.path.join(workdir, 'router_t1.json')
   assert open(out['router'], 'rb').read() == before
   with open(tagged['router'], encoding='utf-8') as f:
-    assert json.load(f)['fit']['batches'] == [3] == _numbers(tagged['paths']['json'])['fit']['batches']
-  with pytest.raises(common.SetupError, match='no .*router_t2.json; run .*train_router --tag=t2 --workdir='):
+    assert json.load(f)['fit']['batches'] == [3]
+  assert _numbers(tagged['paths']['json'])['fit']['batches'] == [3]
+  with pytest.raises(common.SetupError,
+                     match='no .*router_t2.json; run .*train_router --tag=t2 --workdir='):
     sweep_eps.run(_opts(workdir, tag='t2'), sweep_eps.SweepOptions(eps_grid=[1e-3], router=True))
   with pytest.raises(common.SetupError, match='in-sample'):
     sweep_eps.run(common.Options(workdir=workdir, batches=3, progress=False),
@@ -635,7 +638,8 @@ def test_saturation_reads_eval_depth_reports_and_refuses_bad_ones(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   assert _numbers(str(tmp_path / 'sat' / 'reports' / 'saturation_fw.json'))[good]['saturation'] == 2
   assert _numbers(str(tmp_path / 'sat' / 'reports' / 'saturation.json'))[good]['saturation'] == 3
-  assert 'reports/eval_depth_fw.json' in (tmp_path / 'sat' / 'reports' / 'saturation_fw.md').read_text()
+  md = (tmp_path / 'sat' / 'reports' / 'saturation_fw.md').read_text()
+  assert 'reports/eval_depth_fw.json' in md
   for args, words in (([f'--workdirs={bad}'], 'empty, missing or not finite'),
                       ([f'--workdirs={good}', 'stray'], "unexpected arguments ['stray']")):
     out = run(*args, f'--out={tmp_path / "sat2"}')

@@ -164,6 +164,7 @@ def test_eval_depths_beyond_r_max_are_named_and_the_mean_label_is_true(tmp_path)
           in out.stdout), out.stdout
   assert f'eval_depth --workdir={wd} --max_depth=8' in out.stdout
   summary = json.loads((wd / 'summary.json').read_text())
-  assert sorted(int(d) for d in summary['val_loss']) == train.validation_depths(tiny_config()) == [1, 2]
+  scored = sorted(int(d) for d in summary['val_loss'])
+  assert scored == train.validation_depths(tiny_config()) == [1, 2]
   assert 'depth 1 (nearest the training mean 1.5) = ' in out.stdout, out.stdout
   assert '(training mean)' not in out.stdout
