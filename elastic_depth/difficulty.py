@@ -49,11 +49,11 @@ def _variant(model, batches, rng, r_max, sweep, name, diff, sel, ks):
   scored = calibrate.score_grid(model, batches, keys, [curve['threshold'][j]], r_max,
                                 policy=policy, mask_only=mask_only)
   exit_depth = scored['depth'][0]
-  rho = stats.spearmanr(exit_depth[sel], diff[sel])[0] if len(ks) > 1 else float('nan')
   return {'loss_a1': _by_k(scored['nll'][0], diff, sel, ks),
           'exit_depth_a1': _by_k(exit_depth, diff, sel, ks),
           'a1_eps': curve['threshold'][j], 'a1_mean_loops': curve['mean_loops'][j],
-          'a1_loss': curve['loss'][j], 'spearman_exit_k': float(rho),  # NaN: undefined
+          'a1_loss': curve['loss'][j],
+          'spearman_exit_k': spearman_exit_k(exit_depth[sel], diff[sel]),
           'best_gain_same_loops': float(-h['best_gap_same_loops']),
           'loops_share_within_delta': (None if h['best'] is None else
                                        h['best']['mean_loops'] / sweep['ref_depth']),
@@ -108,6 +108,13 @@ def _summary_line(name: str, v: dict, res: dict) -> str:
              if share is not None else f"never within {res['delta']} nats; ")
           + f"best gain over A0 at equal loops {v['best_gain_same_loops']:+.3f} nats; "
           f"Spearman(exit depth, k) = {_rho(v['spearman_exit_k'])}")
+
+
+def spearman_exit_k(depth_N, k_N) -> float:
+  """Spearman(exit depth, k); NaN where undefined (one class of k, or a constant depth)."""
+  if len(np.unique(k_N)) < 2 or len(np.unique(depth_N)) < 2:
+    return float('nan')
+  return float(stats.spearmanr(depth_N, k_N)[0])
 
 
 def _rho(rho) -> str:

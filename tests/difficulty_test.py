@@ -54,6 +54,14 @@ def test_an_undefined_rank_correlation_is_said_not_shown_as_zero():
   """One class of k (or a constant exit depth): Spearman is undefined, written as JSON null
   and 'undefined' in the text, not 0.00 (which reads as 'exit depth ignores k')."""
   from elastic_depth import reports  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  k = np.array([1, 1, 2, 2, 3, 3])
+  assert np.isnan(difficulty.spearman_exit_k(np.full(6, 2), k))  # constant exit depth
+  assert np.isnan(difficulty.spearman_exit_k(np.arange(6), np.ones(6)))  # one class of k
+  depth = np.array([1, 2, 2, 3, 5, 4])  # against the ranks by hand: ties take mean ranks
+  rank = lambda x: np.array([np.mean(np.flatnonzero(np.sort(x) == v)) for v in x])
+  want = np.corrcoef(rank(depth), rank(k))[0, 1]
+  assert difficulty.spearman_exit_k(depth, k) == pytest.approx(want)
   v = {'a1_eps': 1e-3, 'a1_mean_loops': 2.0, 'a1_loss': 0.1, 'best_gain_same_loops': 0.0,
        'loops_share_within_delta': 0.5, 'spearman_exit_k': float('nan')}
   line = difficulty._summary_line('kl', v, {'ref_depth': 4.0, 'ref_loss': 0.1, 'delta': 0.01})

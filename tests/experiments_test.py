@@ -198,11 +198,6 @@ def test_calibrate_eps_end_to_end_and_marked_on_the_sweep(workdir):
   sw = sweep_eps.run(_opts(workdir), sweep_eps.SweepOptions(
       eps_grid=[1e-3], delta=0.01, calibrated=True))['results']
   assert ('calibrated' in sw['curves']) == (res['eps'] is not None)
-  if res['eps'] is not None:  # certified at another depth cap: no star from it
-    with pytest.raises(common.SetupError, match=r'certified its eps for another max depth '
-                       rf'\(max depth {res["r_max"]} vs {res["r_max"] + 1} here\)'):
-      sweep_eps.run(_opts(workdir, max_depth=res['r_max'] + 1), sweep_eps.SweepOptions(
-          eps_grid=[1e-3], delta=0.01, calibrated=True))
   with pytest.raises(common.SetupError, match='alpha'):
     calibrate_eps.run(_opts(workdir), dataclasses.replace(x, alpha=1.5))
   with pytest.raises(common.SetupError, match='--bound=inf must be finite'):
@@ -702,3 +697,28 @@ def test_report_plots_show_what_their_data_holds():
   x = ax.lines[0].get_xdata()
   lo, hi = ax.get_xlim()
   assert list(x) == grid and ax.get_xscale() == 'symlog' and lo <= 0.0 <= hi
+
+
+def test_a_calibrated_eps_is_starred_only_where_it_was_certified(workdir):
+  """sweep_eps marks calibrate_eps's eps only for the step, depth cap and data it was
+  certified on (its guarantee is about those); else a clear refusal (it starred it)."""
+  from elastic_depth import reports  # pylint: disable=g-import-not-at-top
+  opts = _opts(workdir, tag='starcheck')
+  ld = common.load(opts)
+  info = ld.checkpoint_info()
+
+  def report(step_shift=0, r_max_shift=0, data=None):
+    reports.write(workdir, 'calibrate_eps_starcheck', {'eps': 1e-3},
+                  flags={'r_max': ld.r_max + r_max_shift},
+                  checkpoint={**info, 'step': ld.step + step_shift,
+                              'data_config': data or info['data_config']}, markdown='')
+  report()
+  got = sweep_eps._calibrated(opts, ld)
+  assert got['calibrated'].policy == 'kl' and list(got['calibrated'].thresholds) == [1e-3]
+  for kw, words in ((dict(step_shift=1), f'another step .step {ld.step + 1} vs {ld.step}'),
+                    (dict(r_max_shift=1), 'another max depth'),
+                    (dict(data={**info['data_config'], 'seed': 99}),
+                     'another data .other data settings')):
+    report(**kw)
+    with pytest.raises(common.SetupError, match=words):
+      sweep_eps._calibrated(opts, ld)

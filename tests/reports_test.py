@@ -101,6 +101,16 @@ def test_sweep_plot_draws_each_semantics_quality_line():
 def test_a0_loss_at_equal_flops_is_blank_outside_a0s_flop_range():
   """np.interp clamps outside A0's FLOP range, so the sweep table shows '-' there rather
   than A0's end value as if it were A0's loss at that cost (older JSONs lack the flag)."""
-  fr = {'a0_loss_same_flops': [1.0, 2.0], 'flops_in_a0_range': [True, False]}
-  assert reports._in_range(fr, 0) == 1.0 and reports._in_range(fr, 1) is None
-  assert reports._in_range({'a0_loss_same_flops': [3.0]}, 0) == 3.0
+  fr = {'a0_loss_same_loops': [0.7, 0.6], 'gap_same_loops': [0.01, 0.02],
+        'a0_loss_same_flops': [0.555, 0.444], 'flops_in_a0_range': [True, False]}
+  curve = {'threshold': [1e-3, 1e-2], 'mean_loops': [2.0, 3.0], 'loss': [0.71, 0.62],
+           'mean_core_passes': [2.0, 3.0], 'flops': [2e9, 9e9], 'flops_active': [2e9, 9e9],
+           'mean_readouts': [1.0, 1.0], 'share_max_depth': [0.0, 0.0]}
+  res = {'tokens': 10, 'r_max': 4, 'ref_depth': 2.0, 'delta': 0.01, 'curves': {'kl': curve},
+         'headline': {'kl': {'best': None, 'ref_loss': 0.7, 'frontier': fr,
+                             'uniform_depth_within_delta': 2}}}
+  md = reports.sweep_markdown(res, {})
+  rows = [l for l in md.splitlines() if l.startswith('| 0.01 |') or l.startswith('| 0.001 |')]
+  assert rows[0].endswith('| 0.555 |') and rows[1].endswith('| - |'), rows
+  del fr['flops_in_a0_range']
+  assert '| 0.444 |' in reports.sweep_markdown(res, {})
