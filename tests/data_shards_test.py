@@ -293,3 +293,13 @@ def test_train_bpe_learns_from_training_documents_only(tmp_path, monkeypatch):
   held = shards.is_val(cfg.seed, np.arange(len(docs)), 0.2)
   assert 10 < held.sum() < 40
   assert seen[0] == [d for d, v in zip(docs, held) if not v]
+
+
+def test_prepare_refuses_loss_on_answers_before_writing_anything(tmp_path):
+  """Prepared shards hold token ids only: data.loss_on=answers has no labels to use there,
+  even for the synthetic source that has them, so prepare refuses it up front."""
+  corpus = write_corpus(tmp_path / 'c.jsonl', 20)
+  for cfg in (text_cfg(corpus, loss_on='answers'), DataConfig(loss_on='answers')):
+    with pytest.raises(DataError, match='data.loss_on=answers: prepared shards hold token ids'):
+      prepare(cfg, tmp_path / 'out')
+    assert not (tmp_path / 'out').exists()

@@ -112,6 +112,12 @@ def test_missing_workdir_and_checkpoint_are_clear_errors(workdir, tmp_path):
                         '--tag=a/b'], cwd=REPO, capture_output=True, text=True, timeout=120,
                        check=False)
   assert out.returncode == 2 and out.stderr.startswith("error: --tag='a/b'"), out.stderr
+  # a data error written for pretrain names these mains' own --data_* flags (common.own_flags)
+  out = subprocess.run([sys.executable, '-m', 'experiments.eval_depth', f'--workdir={workdir}',
+                        '--data_source=text', f'--data_tokenizer={workdir}/tok.json'],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 2 and out.stderr.startswith('error: '), out.stderr
+  assert '--config.data.' not in out.stderr and ' --data_' in out.stderr, out.stderr
   # a tag that would name the cached probe's files (kl_probe + _cached) is refused too
   out = subprocess.run([sys.executable, '-m', 'experiments.train_router', f'--workdir={workdir}',
                         '--probe=kl_probe', '--tag=cached'], cwd=REPO, capture_output=True,
