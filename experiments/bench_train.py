@@ -229,12 +229,12 @@ def check_flags() -> None:
     flags_util.fail(f'--unroll: {FLAGS.unroll} must be integers >= 1')
   if FLAGS.rounds < 1 or FLAGS.steps < 1:
     flags_util.fail(f'--rounds={FLAGS.rounds} and --steps={FLAGS.steps} must be >= 1')
-  if FLAGS.round_warmup < 0 or FLAGS.warmup < 0:
-    flags_util.fail(f'--round_warmup={FLAGS.round_warmup} and --warmup={FLAGS.warmup} must '
-                    'be >= 0')
-  if FLAGS.peak_n < 1 or FLAGS.reference_threads < 1:
-    flags_util.fail(f'--peak_n={FLAGS.peak_n} and --reference_threads='
-                    f'{FLAGS.reference_threads} must be >= 1')
+  for name in ('round_warmup', 'warmup'):
+    if FLAGS[name].value < 0:
+      flags_util.fail(f'--{name}={FLAGS[name].value} must be >= 0')
+  for name in ('peak_n', 'reference_threads'):
+    if FLAGS[name].value < 1:
+      flags_util.fail(f'--{name}={FLAGS[name].value} must be >= 1')
   if 'tiny' in FLAGS.shapes and not os.access(FLAGS.tiny_flags, os.R_OK):
     flags_util.fail(f'--tiny_flags={FLAGS.tiny_flags!r} does not name a readable flag file '
                     '(the `tiny` shape is parsed from it)')
