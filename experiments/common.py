@@ -79,7 +79,7 @@ def options_from_flags() -> Options:
       raise SetupError(f'--data_set={item!r} must be FIELD=VALUE')
     k, v = item.split('=', 1)
     data[k.strip()] = v
-  if not re.fullmatch(r'[\w.-]*', _F.tag):
+  if not flags_util.tag_fits_file_name(_F.tag):
     raise SetupError(f'--tag={_F.tag!r}: letters, digits, _ . - only (it ends report file '
                      'names)')
   if re.match(r'(cached|parallel)(_|$)', _F.tag):  # kl_probe + _cached names the cached probe

@@ -7,6 +7,7 @@ restores the usual rule: the command line overrides the flagfile.
 """
 
 import math
+import re
 import sys
 from typing import Callable, Optional
 
@@ -77,6 +78,11 @@ def no_arguments(argv: list[str]) -> None:
   """One line, exit 2, for positional arguments an absl main does not take."""
   if len(argv) > 1:
     fail(f'unexpected arguments {argv[1:]} (flags are --name=value)')
+
+
+def tag_fits_file_name(tag: str) -> bool:
+  """Whether a --tag (the end of report file names) holds only letters, digits, _ . -."""
+  return re.fullmatch(r'[\w.-]*', tag) is not None
 
 
 def require(name: str, ok, what: str) -> None:

@@ -10,7 +10,6 @@ smallest depth whose loss is within --delta of its best loss. Writes
 
 import math
 import os
-import re
 
 from absl import app, flags
 
@@ -35,7 +34,7 @@ def main(argv):
     flags_util.fail('--workdirs is required')
   if not (math.isfinite(DELTA.value) and DELTA.value >= 0):
     flags_util.fail(f'--delta={DELTA.value} must be a finite number >= 0')
-  if not re.fullmatch(r'[\w.-]*', TAG.value):
+  if not flags_util.tag_fits_file_name(TAG.value):
     flags_util.fail(f'--tag={TAG.value!r}: letters, digits, _ . - only (it ends file names)')
   name = f'eval_depth_{TAG.value}' if TAG.value else 'eval_depth'
   runs = {}
