@@ -73,36 +73,47 @@ def test_bench_train_writes_positive_numbers(tmp_path):
   assert 'nano' in proc.stdout
 
 
-@pytest.mark.parametrize('flag,needle', [
+def _case(main_cases, cases, i, *extra):
+  """Case i of cases ((main, *args) tuples), run with every case of its main in one process."""
+  main = cases[i][0]
+  same = [c for c in cases if c[0] == main]
+  return main_cases(f'experiments.{main}', [[*c[1:], *extra] for c in same])[same.index(cases[i])]
+
+
+TRAIN_FLAGS = [
     ('--reference_dir=/nonexistent', 'holds no recpre/raven_modeling_minimal.py'),
     ('--remat=some', "--remat: unknown choices ['some']"),
     ('--loss_chunk=-1', '--loss_chunk'),
     ('--micro_batch=-2', '--micro_batch=-2 must be >= 0'),
     ('--unroll=0', "--unroll: ['0'] must be integers >= 1"),
-    ('--round_warmup=-1', '--round_warmup=-1 must be >= 0')])
-def test_bench_train_bad_flag_is_one_line_exit_2(flag, needle):
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench_train', '--shapes=nano',
-                         flag], cwd=REPO, capture_output=True, text=True, timeout=120,
-                        check=False)
-  lines = proc.stderr.strip().splitlines()
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
+    ('--round_warmup=-1', '--round_warmup=-1 must be >= 0')]
 
 
-@pytest.mark.parametrize('main,flag,needle,rc', [
+@pytest.mark.parametrize('i', range(len(TRAIN_FLAGS)), ids=[f for f, _ in TRAIN_FLAGS])
+def test_bench_train_bad_flag_is_one_line_exit_2(main_cases, i):
+  cases = [('bench_train', '--shapes=nano', f) for f, _ in TRAIN_FLAGS]
+  res = _case(main_cases, cases, i)
+  lines = res['stderr'].strip().splitlines()
+  assert res['rc'] == 2, res['stderr'][-2000:]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and TRAIN_FLAGS[i][1] in lines[0], lines
+
+
+BEFORE_WORK = [
     ('bench_exit', '--shapes=S,Q', "--shapes: unknown ['Q']", 2),
     ('bench_exit', '--fake_exit_fraction=1', '--fake_exit_fraction=1.0 must be in [0, 1)', 2),
     ('bench_kl', '--shapes=8x4x16,8x4', "--shapes: '8x4' is not NxDxV", 1),
     ('bench_kl', '--shapes=0x4x16', "--shapes: '0x4x16' is not NxDxV", 1),
-    ('bench_kl', '--v_splits=0', '--v_splits', 1)])
-def test_bench_bad_flag_is_one_line_before_any_work(main, flag, needle, rc, tmp_path):
-  out = tmp_path / 'out.json'
-  proc = subprocess.run([sys.executable, '-m', f'experiments.{main}', flag, f'--out={out}'],
-                        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
-  lines = proc.stderr.strip().splitlines()
-  assert proc.returncode == rc, proc.stderr[-2000:]
+    ('bench_kl', '--v_splits=0', '--v_splits', 1)]
+
+
+@pytest.mark.parametrize('i', range(len(BEFORE_WORK)), ids=[c[1] for c in BEFORE_WORK])
+def test_bench_bad_flag_is_one_line_before_any_work(main_cases, i):
+  _, _, needle, rc = BEFORE_WORK[i]
+  res = _case(main_cases, [c[:2] for c in BEFORE_WORK], i, '--out={tmp}/out.json')
+  lines = res['stderr'].strip().splitlines()
+  assert res['rc'] == rc, res['stderr'][-2000:]
   assert len(lines) == 1 and lines[0].startswith('error: ') and needle in lines[0], lines
-  assert not out.exists() and proc.stdout == ''  # nothing timed, nothing written
+  assert res['files'] == [] and res['stdout'] == ''  # nothing timed, nothing written
 
 
 def profile_train_ops(path):
@@ -358,7 +369,7 @@ def test_bench_import_works_in_its_own_scratch_folder_and_keeps_the_rest(tmp_pat
   assert rec['params'] > 0 and rec['peak_bytes'] >= rec['base_bytes'] > 0
 
 
-@pytest.mark.parametrize('args,words', [
+OUT_OF_RANGE = [
     (('bench_generate', '--shapes=foo'), '--shapes must be shape names'),
     (('bench_generate', '--batch_sizes=1', '--serve_shape=foo'), '--serve_shape must be one of'),
     (('bench_generate', '--new_tokens=0'), '--new_tokens=0'),
@@ -385,12 +396,14 @@ def test_bench_import_works_in_its_own_scratch_folder_and_keeps_the_rest(tmp_pat
     (('bench_train', '--shapes=nano', '--peak_n=0'), '--peak_n=0'),
     (('bench_train', '--shapes=nano', '--reference_threads=0'), '--reference_threads=0'),
     (('bench_train', '--shapes=tiny', '--tiny_flags=/no/such.flags'),
-     "--tiny_flags='/no/such.flags' does not name a readable flag file")])
-def test_bench_flags_out_of_range_are_one_line_before_any_work(args, words, tmp_path):
-  out = tmp_path / 'b.json'
-  proc = subprocess.run([sys.executable, '-m', f'experiments.{args[0]}', *args[1:],
-                         f'--out={out}'], cwd=REPO, capture_output=True, text=True,
-                        timeout=120, check=False)
-  assert proc.returncode == 2 and proc.stderr.startswith('error:'), proc.stderr[-3000:]
-  assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-  assert not out.exists()
+     "--tiny_flags='/no/such.flags' does not name a readable flag file")]
+
+
+@pytest.mark.parametrize('i', range(len(OUT_OF_RANGE)),
+                         ids=[' '.join(a) for a, _ in OUT_OF_RANGE])
+def test_bench_flags_out_of_range_are_one_line_before_any_work(main_cases, i):
+  words = OUT_OF_RANGE[i][1]
+  res = _case(main_cases, [a for a, _ in OUT_OF_RANGE], i, '--out={tmp}/b.json')
+  assert res['rc'] == 2 and res['stderr'].startswith('error:'), res['stderr'][-3000:]
+  assert words in res['stderr'] and len(res['stderr'].strip().splitlines()) == 1, res['stderr']
+  assert res['files'] == []

@@ -8,8 +8,12 @@ a 2-block core and a coda).
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 
@@ -200,6 +204,45 @@ def built_once(tmp_path_factory, worker_id: str, name: str, build) -> str:
       shutil.rmtree(wd, ignore_errors=True)
       build(wd)
   return wd
+
+
+@pytest.fixture(scope='session')
+def main_cases(tmp_path_factory, worker_id):
+  """run(module, cases, files) -> one {rc, stdout, stderr, files} per case (`main_cases.py`).
+
+  The cases (argument lists; '{tmp}' is each case's own empty folder, '{files}' a folder
+  holding `files`, {name: bytes}, written first) run in one process,
+  once per session for both xdist workers (a file lock, as `built_once`), so a test of
+  many bad flags starts one interpreter instead of one per flag.
+  """
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != 'master':
+    root = root.parent
+
+  def run(module: str, cases, files=None) -> list[dict]:
+    files = files or {}
+    key = hashlib.sha256(json.dumps([module, [list(c) for c in cases],
+                                     {k: v.hex() for k, v in sorted(files.items())}])
+                         .encode()).hexdigest()[:16]
+    folder = root / f'main_cases_{key}'
+    results = folder / 'results.json'
+    cases = [[a.replace('{files}', str(folder / 'files')) for a in c] for c in cases]
+    with filelock.FileLock(str(folder) + '.lock'):
+      if not results.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / 'files').mkdir(parents=True)
+        for name, data in files.items():
+          (folder / 'files' / name).write_bytes(data)
+        (folder / 'cases.json').write_text(json.dumps(cases))
+        proc = subprocess.run(
+            [sys.executable, os.path.join(os.path.dirname(__file__), 'main_cases.py'), module,
+             str(folder / 'cases.json'), str(results)], cwd=os.path.dirname(
+                 os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
+            timeout=120 + 30 * len(cases), check=False)
+        assert proc.returncode == 0 and results.exists(), proc.stderr[-3000:]
+      return json.loads(results.read_text())
+
+  return run
 
 
 @functools.cache

@@ -81,54 +81,50 @@ def assert_one_line_error(out, *needles):
   assert 'elastic-depth:' not in out.stdout  # stopped before the model was built
 
 
-def corpus(tmp_path, content: bytes) -> str:
-  path = tmp_path / 'corpus.txt'
-  path.write_bytes(content)
-  return str(path)
-
+CORPORA = {'empty.txt': b'', 'latin1.txt': b'ok ok ok' + bytes([0xff, 0xfe]) + b' more',
+           'short.txt': b'hello there<|endoftext|>general kenobi', 'a_file': b'x'}
 
 CASES = {
-    'unknown flag': (lambda tmp: ['--nope=1'], ["Unknown command line flag 'nope'"]),
-    'unknown config field': (lambda tmp: ['--config.model.nope=3'],
-                             ['bad --config flag', 'nope']),
-    'bad flag value': (lambda tmp: ['--config.train.steps=abc'],
-                       ['--config.train.steps=abc']),
-    'mean depth < 1': (lambda tmp: ['--config.depth.mean=0.5'], ['depth.mean=0.5', '>= 1']),
-    'buckets below r_max': (lambda tmp: ['--config.depth.r_max=4'],
+    'unknown flag': (['--nope=1'], ["Unknown command line flag 'nope'"]),
+    'unknown config field': (['--config.model.nope=3'], ['bad --config flag', 'nope']),
+    'bad flag value': (['--config.train.steps=abc'], ['--config.train.steps=abc']),
+    'mean depth < 1': (['--config.depth.mean=0.5'], ['depth.mean=0.5', '>= 1']),
+    'buckets below r_max': (['--config.depth.r_max=4'],
                             ['depth.buckets=(1, 2) do not cover depth.r_max=4']),
-    'eps < 0': (lambda tmp: ['--config.exit.eps=-0.1'], ['exit.eps=-0.1', '>= 0']),
-    'missing flag file': (lambda tmp: [f'--flagfile={tmp / "nope.flags"}'],
+    'eps < 0': (['--config.exit.eps=-0.1'], ['exit.eps=-0.1', '>= 0']),
+    'missing flag file': (['--flagfile={tmp}/nope.flags'],
                           ['Unable to open flagfile', 'nope.flags', 'repository root']),
-    'missing corpus': (lambda tmp: ['--config.data.source=text',
-                                    f'--config.data.paths={tmp / "nope.txt"}'],
+    'missing corpus': (['--config.data.source=text', '--config.data.paths={tmp}/nope.txt'],
                        ['no such file or directory', 'nope.txt']),
-    'empty corpus': (lambda tmp: ['--config.data.source=text',
-                                  f'--config.data.paths={corpus(tmp, b"")}'],
+    'empty corpus': (['--config.data.source=text', '--config.data.paths={files}/empty.txt'],
                      ['empty corpus']),
-    'non-UTF-8 corpus': (lambda tmp: ['--config.data.source=text',
-                                      f'--config.data.paths={corpus(tmp, b"ok ok ok" + bytes([0xff, 0xfe]) + b" more")}'],
+    'non-UTF-8 corpus': (['--config.data.source=text',
+                          '--config.data.paths={files}/latin1.txt'],
                          ['not valid UTF-8 at byte offset 8']),
     'corpus shorter than a sequence': (
-        lambda tmp: ['--config.data.source=text', '--config.model.vocab_size=300',
-                     f'--config.data.paths={corpus(tmp, b"hello there<|endoftext|>general kenobi")}'],
-        ['fewer than one sequence', 'seq_len+1=33']),
+        ['--config.data.source=text', '--config.model.vocab_size=300',
+         '--config.data.paths={files}/short.txt'], ['fewer than one sequence', 'seq_len+1=33']),
 }
 
 
-@pytest.mark.parametrize('case', sorted(CASES))
-def test_bad_input_is_one_clear_line_before_anything_is_built(case, tmp_path):
-  make_flags, needles = CASES[case]
-  wd = tmp_path / 'run'
-  out = pretrain(str(wd), *make_flags(tmp_path))
-  assert_one_line_error(out, *needles)
-  assert not (wd / 'checkpoints').exists()
-  assert not (wd / 'tokenizer.json').exists()  # a tokenizer of failed data is not kept
+def _fresh_workdir_case(main_cases, i):
+  """Case i of CASES and an unwritable workdir, one process for all (`main_cases`)."""
+  cases = [['--workdir={tmp}/run', *TINY, *CASES[k][0]] for k in sorted(CASES)]
+  cases.append(['--workdir={files}/a_file/run', *TINY])
+  res = main_cases('experiments.pretrain', cases, CORPORA)[i]
+  return subprocess.CompletedProcess(cases[i], res['rc'], res['stdout'], res['stderr']), res
 
 
-def test_unwritable_workdir(tmp_path):
-  blocker = tmp_path / 'a_file'
-  blocker.write_text('x')
-  out = pretrain(str(blocker / 'run'))
+@pytest.mark.parametrize('i', range(len(CASES)), ids=sorted(CASES))
+def test_bad_input_is_one_clear_line_before_anything_is_built(main_cases, i):
+  out, res = _fresh_workdir_case(main_cases, i)
+  assert_one_line_error(out, *CASES[sorted(CASES)[i]][1])
+  assert 'run/checkpoints/' not in res['files']
+  assert 'run/tokenizer.json' not in res['files']  # a tokenizer of failed data is not kept
+
+
+def test_unwritable_workdir(main_cases):
+  out, _ = _fresh_workdir_case(main_cases, len(CASES))
   assert_one_line_error(out, 'is not writable', 'a_file')
 
 
