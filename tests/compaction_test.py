@@ -214,6 +214,23 @@ def test_scheduled_exits_keep_the_checks_work(setup):
     assert cost['kl'] - cost['state_delta'] >= B * L * v, (make.__name__, cost)
 
 
+def test_a_ragged_schedule_exits_at_allowed_loops_alike_in_both_engines(setup):
+  """check_every=2, one coda block (compacted coda): a scheduled token exits at the first
+  allowed loop (min_loops + k check_every) at or after its schedule, loop 1 included,
+  where no readout runs; the logits (the coda on the final states) equal the masked
+  engine's."""
+  models, toks, _, _ = setup
+  sched = jnp.asarray(np.random.default_rng(2).integers(1, R + 1, (B, L)), jnp.int32)
+  cfg = config.ExitConfig(policy='kl', eps=-1.0, max_loops=R, check_every=2, min_loops=1)
+  masked, compacted = _both(models[1], toks, cfg, schedule_BxL=sched)
+  allowed = [i for i in range(1, R + 1) if (i - 1) % 2 == 0]  # loops 1, 3, 5
+  want = [[next((c for c in allowed if c >= s), R) for s in row] for row in np.asarray(sched)]
+  assert 1 in np.asarray(want)  # an exit at a loop without a readout
+  np.testing.assert_array_equal(np.asarray(masked.aux.depth), want)
+  np.testing.assert_array_equal(np.asarray(compacted.aux.depth), want)
+  np.testing.assert_allclose(compacted.logits, masked.logits, atol=2e-5)
+
+
 @pytest.mark.parametrize('cap', [16, 32, 64, 96, 128])
 def test_compact_keys_is_what_the_compiled_attention_multiplies(cap):
   """compact_keys(C, L) x 4 H K FLOPs per buffer slot against XLA's own count."""

@@ -21,7 +21,7 @@ def _config() -> config_lib.Config:
       depth=config_lib.DepthConfig(mean=4, r_max=R_MAX, buckets=tuple(range(1, R_MAX + 1))),
       data=config_lib.DataConfig(synth_task='chain', synth_examples=4000, synth_max_hops=2,
                                  val_fraction=0.1, loss_on='answers'),
-      train=config_lib.TrainConfig(steps=STEPS, batch_size=16, seq_len=128, lr=1e-3,
+      train=config_lib.TrainConfig(steps=STEPS, batch_size=8, seq_len=128, lr=1e-3,
                                    warmup_steps=50, eval_every=STEPS, ckpt_every=STEPS,
                                    eval_batches=1, eval_depths=(1, 4)))
 
