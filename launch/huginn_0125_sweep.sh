@@ -9,9 +9,10 @@
 # BATCH (8), SEQ (1024); tests/huginn_test.py runs it on the tiny fixture with small ones.
 # Cannot run on the development machines (no network, no GPU); its code path is tested on
 # the tiny fixture end to end (tests/huginn_test.py). Estimates (2026-12-03):
-# Memory: import host peak ~19 GB (measured 1.31x the fp32 parameter bytes on a 138M bf16
-#   source, python -m experiments.bench_import, 2026-12-03; Huginn-0125: 14.3 GB fp32), so a
-#   32 GB machine is enough; checkpoint <= 14.3 GB on disk. Device, from the compiled memory
+# Memory: import host peak ~15 GB (measured 0.90-1.00x the fp32 parameter bytes above the
+#   process's base on a 138M bf16 source, python -m experiments.bench_import, Zen 4,
+#   2026-12-07; 1.31x on 2026-12-03; Huginn-0125: 14.3 GB fp32), so a 32 GB machine is
+#   enough; checkpoint <= 14.3 GB on disk. Device, from the compiled memory
 #   analysis (python -m experiments.import_huginn --src=SNAPSHOT --dry_run; XLA:CPU here,
 #   batch 8 x 1024, depth 32; rerun 2026-12-07): traced pass 14.26 GB parameters + 11.11 GB
 #   temporaries = 25.4 GB, KL-exit pass 14.26 + 11.26 = 25.5 GB (2026-12-03: 9.49 and 10.70
