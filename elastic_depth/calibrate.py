@@ -144,13 +144,14 @@ def score_grid(model, batches: Sequence[dict], keys: Sequence[jax.Array],
       run = functools.partial(_score, policy=pol, r_max=r_max)
       per = []
       for eps in grid:
-        bar.update(1)
         rows = [jax.device_get(run(
             model, jnp.asarray(b['inputs'], jnp.int32), jnp.asarray(b['targets'], jnp.int32),
             k, jnp.float32(eps), jnp.asarray(b['mask']) > 0 if mask_only else None))
                 for b, k in zip(batches, keys)]
         per.append([np.concatenate([r[i] for r in rows]) for i in range(3)])
+        bar.update(1)  # after the point is scored: 100% means done
       out.append([np.stack([p[i] for p in per]) for i in range(3)])
+  bar.close()
   (ref_nll, ref_am, _), (nll, am, depth) = out
   return {'nll': nll, 'argmax': am, 'depth': depth, 'ref_nll': ref_nll[0],
           'ref_argmax': ref_am[0]}

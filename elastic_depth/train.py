@@ -323,24 +323,33 @@ def _bad_step(r: _Run, done: int, m: dict, skips: int) -> None:
          'no checkpoint was saved'))
 
 
+_clock = time.perf_counter  # the throughput meter's clock (a test replaces it)
+
+
 class _Throughput:
-  """Tokens/s between log points (the first step, which compiles, is excluded)."""
+  """Tokens/s of the steps between log points: the first step (it compiles), evaluations
+  and checkpoint saves are excluded (the meter restarts after them)."""
 
   def __init__(self, start: int, tokens_per_step: int):
-    self.t0, self.step0, self.tokens_per_step = time.perf_counter(), start, tokens_per_step
+    self.t0, self.step0, self.tokens_per_step = _clock(), start, tokens_per_step
 
   def reset(self, step: int) -> None:
-    self.t0, self.step0 = time.perf_counter(), step
+    self.t0, self.step0 = _clock(), step
 
   def rate(self, step: int) -> float:
-    now = time.perf_counter()
+    now = _clock()
     tps = (step - self.step0) * self.tokens_per_step / max(now - self.t0, 1e-9)
     self.t0, self.step0 = now, step
     return tps
 
 
-def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]:
-  """Phase 2: the steps, evaluation and checkpoints; returns (summary, skips)."""
+def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bars: list,
+          make_bar: Callable) -> tuple[dict, int]:
+  """Phase 2: the steps, evaluation and checkpoints; returns (summary, skips).
+
+  The progress bar, make_bar(initial step), starts after the first step (which compiles),
+  so its rate and ETA are the steps'; it is appended to bars for the caller to close.
+  """
   from elastic_depth import checkpoint, metrics  # pylint: disable=g-import-not-at-top
   cfg, t = r.cfg, r.cfg.train
   accum = grad_accum_steps(t)
@@ -369,21 +378,25 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
     m, done = jax.device_get(m), step + 1
     finite = bool(m['finite'])
     skips += (not finite) and t.nan_policy == NanPolicy.SKIP
-    rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'], skipped=skips,
-               lr=lr)
+    # depth: the drawn r; loops: the bucket it rounds to, which the step ran
+    rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'], loops=m['bucket'],
+               skipped=skips, lr=lr)
     log = done % t.log_every == 0 or done == t.steps
     if step == r.start:
       meter.reset(done)
+      bars.append(bar := make_bar(done))
     elif log:
       tps = meter.rate(done)
       rec.update(tokens_per_s=tps, **({'mfu': tps * flops_tok / peak} if peak else {}))
-      bar.set_postfix(loss=f'{m["loss"]:.3f}', r=int(m['depth']), tok_s=f'{tps:,.0f}')
+      bar.set_postfix(loss=f'{m["loss"]:.3f}', loops=int(m['bucket']), tok_s=f'{tps:,.0f}')
     if log or step == r.start or not finite:
       writer.write(done, rec, 'train/')
     if not finite:
       _bad_step(r, done, m, skips)
-    bar.update(1)
-    if done % t.eval_every == 0 or done == t.steps:
+    if step > r.start:
+      bar.update(1)
+    paused = done % t.eval_every == 0 or done == t.steps
+    if paused:
       val_loss = evaluate(eval_step, r.state.params, val, depths, r.mesh)
       writer.write(done, {f'loss_r{d}': v for d, v in val_loss.items()}, 'val/')
       summary = {**summary, 'step': done, 'val_loss': val_loss}
@@ -391,7 +404,9 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bar) -> tuple[dict, int]
     sig = distributed.agree_signal(pre.signum)
     if done % t.ckpt_every == 0 or done == t.steps or sig is not None:
       checkpoint.save(r.mngr, done, r.state, meta(), force=True)
-      saved = done
+      saved, paused = done, True
+    if paused:  # the next interval times steps only
+      meter.reset(done)
     if sig is not None:
       checkpoint.wait(r.mngr)
       print(f'\npreempted by signal {sig}: saved step {done}, exiting', flush=True)
@@ -420,7 +435,8 @@ def _finish(r: _Run, summary: dict, skips: int) -> dict:
 
 
 def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False) -> dict:
-  """Trains cfg in workdir; returns the final summary (losses by depth, tokens/s).
+  """Trains cfg in workdir; returns the final summary (the last validation losses by
+  depth, the step, skipped steps, last_step; preempted_at when stopped by a signal).
 
   Everything that can be checked is checked before compiling: the config (ConfigError),
   the workdir, the data (DataError), and on --resume the checkpoint's model config and
@@ -438,15 +454,18 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
       return _saved_summary(workdir)
     lifecycle.end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
     writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
-    bar = metrics.progress(cfg.train.steps, r.start, unit='step', disable=quiet or None)
     print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
           f'{r.ds.describe()}, '
           f'{grad_accum_steps(cfg.train) * cfg.train.batch_size * cfg.train.seq_len} '
           f'tokens/step, steps {r.start}->{cfg.train.steps}', flush=True)
+    bars = []
+    make_bar = lambda initial: metrics.progress(cfg.train.steps, initial, unit='step',
+                                                disable=quiet or None)
     try:
-      summary, skips = _loop(r, pre, writer, bar)
+      summary, skips = _loop(r, pre, writer, bars, make_bar)
     finally:
-      bar.close()
+      for bar in bars:
+        bar.close()
       writer.close()
       try:
         r.mngr.close()

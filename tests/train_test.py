@@ -1,6 +1,7 @@
 """Tests for the jitted randomised-depth train step and the learning-rate schedules."""
 
 import dataclasses
+import json
 import math
 
 import chex
@@ -260,3 +261,58 @@ def test_train_flops_per_token_expects_the_executed_loops(make_config, backprop_
                               / np.sqrt(len(per_step)))
   if backprop_depth:  # 3 forwards at depth.mean would be far off
     assert abs(3 * f(cfg.depth.mean) / got - 1) > 0.2
+
+
+def test_the_log_shows_the_loops_run_and_times_steps_only(tmp_path, make_config, monkeypatch):
+  """train/loops is the bucket each step ran (train/depth the drawn r); tokens/s times the
+  steps between log points, not the evaluations and saves between them (a fake clock jumps
+  1000 s in each); the progress bar starts after the first step, which compiles."""
+  from elastic_depth import checkpoint, metrics  # pylint: disable=g-import-not-at-top
+  clock = [0.0]
+
+  def tick():
+    clock[0] += 1.0
+    return clock[0]
+
+  def slow(fn):
+    def wrapped(*a, **kw):
+      clock[0] += 1000.0
+      return fn(*a, **kw)
+    return wrapped
+
+  bars = []
+
+  class Bar:
+    def __init__(self, total, initial, **_):
+      self.total, self.initial, self.n, self.closed = total, initial, initial, False
+      bars.append(self)
+
+    def update(self, n=1):
+      self.n += n
+
+    def set_postfix(self, **_):
+      pass
+
+    def close(self):
+      self.closed = True
+
+  monkeypatch.setattr(train_lib, '_clock', tick)
+  monkeypatch.setattr(train_lib, 'evaluate', slow(train_lib.evaluate))
+  monkeypatch.setattr(checkpoint, 'save', slow(checkpoint.save))
+  monkeypatch.setattr(metrics, 'progress', Bar)
+  cfg = make_config(depth=dict(mean=2.0, r_max=3, buckets=(1, 3)),
+                    train=dict(steps=8, log_every=1, eval_every=2, ckpt_every=3,
+                               eval_batches=1, eval_depths=(1,)))
+  train_lib.run(cfg, str(tmp_path), quiet=True)
+  recs = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  steps = [r for r in recs if 'train/loss' in r]
+  assert [r['step'] for r in steps] == list(range(1, 9))
+  seed_key = jax.random.key(cfg.train.seed)
+  for r in steps:
+    drawn, idx = policies.draw_bucket(seed_key, r['step'] - 1, cfg.depth)
+    assert r['train/depth'] == int(drawn) and r['train/loops'] == (1, 3)[int(idx)]
+  tokens = cfg.train.batch_size * cfg.train.seq_len
+  rates = [r['train/tokens_per_s'] for r in steps[1:]]
+  assert len(rates) == 7 and min(rates) >= tokens / 2, rates  # 1-2 ticks a step, no 1000 s
+  [bar] = bars
+  assert bar.initial == 1 and bar.n == 8 and bar.closed and bar.total == 8
