@@ -1,5 +1,6 @@
 """Run-directory and process hygiene: the workdir probe, preemption signals, metrics repair."""
 
+import json
 import os
 import signal
 import threading
@@ -49,6 +50,30 @@ def check_workdir(workdir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise ConfigError(f'workdir {workdir!r} is not writable: {e}') from e
+
+
+def drop_jsonl_steps_after(path: str, step: int) -> int:
+  """Removes the records of steps after `step` (a resumed run logs them again) and lines
+  cut off by a kill (they do not parse); returns how many. Replaces the file atomically."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      lines = f.read().splitlines(keepends=True)
+  except FileNotFoundError:
+    return 0
+
+  def later(line: str) -> bool:
+    try:
+      return int(json.loads(line)['step']) > step
+    except (ValueError, KeyError, TypeError):  # a fragment a kill left
+      return True
+  keep = [l if l.endswith('\n') else l + '\n' for l in lines if not later(l)]
+  if len(keep) == len(lines):
+    return 0
+  tmp = path + '.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+  return len(lines) - len(keep)
 
 
 def end_jsonl_line(path: str) -> None:

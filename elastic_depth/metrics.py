@@ -11,6 +11,8 @@ from typing import Optional
 import tqdm
 from tensorboardX import SummaryWriter
 
+from elastic_depth import lifecycle
+
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets). A kind matches the first
 # pattern found in it as whole words (case-insensitive), most specific first: 'L4' is not
 # 'L40S', and an H100 PCIe is not an H100 SXM.
@@ -49,12 +51,19 @@ def peak_flops(configured: float = 0.0, device_kind: Optional[str] = None) -> fl
 class MetricWriter:
   """Writes scalars to <workdir>/metrics.jsonl and TensorBoard event files."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
+    """resume_step > 0: records of later steps (logged after the checkpoint a resumed run
+    starts from) are dropped from the JSONL file and purged from TensorBoard's view."""
     self.enabled = enabled
     if enabled:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
-      self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+      path = os.path.join(workdir, 'metrics.jsonl')
+      lifecycle.end_jsonl_line(path)
+      if resume_step:
+        lifecycle.drop_jsonl_steps_after(path, resume_step)
+      self._jsonl = open(path, 'a', encoding='utf-8')
+      self._tb = SummaryWriter(os.path.join(workdir, 'tb'),
+                               purge_step=resume_step + 1 if resume_step else None)
 
   def write(self, step: int, scalars: dict, prefix: str = '') -> None:
     """Logs a dict of scalars at step."""

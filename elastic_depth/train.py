@@ -452,8 +452,8 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
       print(f'--resume: the checkpoint is at train.steps={r.start} already; nothing to '
             'train (summary.json kept)', flush=True)
       return _saved_summary(workdir)
-    lifecycle.end_jsonl_line(os.path.join(workdir, 'metrics.jsonl'))
-    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                  resume_step=r.start)
     print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
           f'{r.ds.describe()}, '
           f'{grad_accum_steps(cfg.train) * cfg.train.batch_size * cfg.train.seq_len} '

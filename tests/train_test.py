@@ -316,3 +316,20 @@ def test_the_log_shows_the_loops_run_and_times_steps_only(tmp_path, make_config,
   assert len(rates) == 7 and min(rates) >= tokens / 2, rates  # 1-2 ticks a step, no 1000 s
   [bar] = bars
   assert bar.initial == 1 and bar.n == 8 and bar.closed and bar.total == 8
+
+
+def test_a_resume_after_a_kill_logs_each_step_once(tmp_path, make_config):
+  """Steps logged after the last checkpoint (a kill before the next) are logged again by
+  --resume: their old records are dropped, so metrics.jsonl holds each step once."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  cfg = make_config(train=dict(steps=6, log_every=1, eval_every=100, ckpt_every=3,
+                               eval_batches=1, eval_depths=(1,)))
+  wd = tmp_path / 'run'
+  train_lib.run(cfg, str(wd), quiet=True)
+  shutil.rmtree(wd / 'checkpoints' / '6')  # as if killed between step 6's log and save
+  with open(wd / 'metrics.jsonl', 'a', encoding='utf-8') as f:
+    f.write('{"step": 7, "train/lo')  # and a line cut off by the kill
+  train_lib.run(cfg, str(wd), resume=True, quiet=True)
+  recs = [json.loads(l) for l in (wd / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in recs if 'train/loss' in r] == [1, 2, 3, 4, 5, 6]
+  assert [r['step'] for r in recs if 'val/loss_r1' in r] == [6]
