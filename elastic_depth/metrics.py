@@ -17,8 +17,8 @@ from elastic_depth import lifecycle
 # pattern found in it as whole words (case-insensitive), most specific first: 'L4' is not
 # 'L40S', and an H100 PCIe is not an H100 SXM.
 PEAK_BF16_FLOPS = (
-    (r'GH200', 989e12), (r'H200', 989e12), (r'H100 PCIe', 756e12), (r'H100', 989e12), (r'A100', 312e12),
-    (r'RTX 4090', 165e12), (r'L40S', 362e12), (r'L40', 181e12), (r'L4', 121e12),
+    (r'GH200', 989e12), (r'H200', 989e12), (r'H100 PCIe', 756e12), (r'H100', 989e12),
+    (r'A100', 312e12), (r'RTX 4090', 165e12), (r'L40S', 362e12), (r'L40', 181e12), (r'L4', 121e12),
     (r'TPU v5 lite', 197e12), (r'TPU v5e', 197e12), (r'TPU v5p?', 459e12),
     (r'TPU v4', 275e12), (r'TPU v6( lite|e)?', 918e12),
 )
