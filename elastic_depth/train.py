@@ -343,6 +343,26 @@ class _Throughput:
     return tps
 
 
+def _log_step(r: _Run, step: int, m: dict, skips: int, lr: float, writer, meter: _Throughput,
+              bars: list, make_bar: Callable, mfu_per_tps: float) -> None:
+  """The step's train record (tokens/s and MFU at log points after the first step) and
+  the progress bar's postfix; the bar is made at the first step, which compiles."""
+  t, done = r.cfg.train, step + 1
+  # depth: the drawn r; loops: the bucket it rounds to, which the step ran
+  rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'], loops=m['bucket'],
+             skipped=skips, lr=lr)
+  log = done % t.log_every == 0 or done == t.steps
+  if step == r.start:
+    meter.reset(done)
+    bars.append(make_bar(done))
+  elif log:
+    tps = meter.rate(done)
+    rec.update(tokens_per_s=tps, **({'mfu': tps * mfu_per_tps} if mfu_per_tps else {}))
+    bars[-1].set_postfix(loss=f'{m["loss"]:.3f}', loops=int(m['bucket']), tok_s=f'{tps:,.0f}')
+  if log or step == r.start or not bool(m['finite']):
+    writer.write(done, rec, 'train/')
+
+
 def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bars: list,
           make_bar: Callable) -> tuple[dict, int]:
   """Phase 2: the steps, evaluation and checkpoints; returns (summary, skips).
@@ -358,7 +378,8 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bars: list,
   val = r.ds.val_batches(t.eval_batches)
   depths = validation_depths(cfg)
   peak = metrics.peak_flops(t.peak_flops) * jax.device_count()  # the mesh's: tokens/s is global
-  flops_tok, schedule = train_flops_per_token(cfg), lr_schedule(cfg)
+  mfu_per_tps = train_flops_per_token(cfg) / peak if peak else 0.0
+  schedule = lr_schedule(cfg)
   meter = _Throughput(r.start, accum * t.batch_size * t.seq_len)
   meta = lambda: {'config': config_dict(cfg), 'data_iter': r.ds.train_iter.get_state(),
                   'tokenizer': r.tok_info, 'skipped': skips}
@@ -378,23 +399,11 @@ def _loop(r: _Run, pre: 'lifecycle.Preemption', writer, bars: list,
     m, done = jax.device_get(m), step + 1
     finite = bool(m['finite'])
     skips += (not finite) and t.nan_policy == NanPolicy.SKIP
-    # depth: the drawn r; loops: the bucket it rounds to, which the step ran
-    rec = dict(loss=m['loss'], grad_norm=m['grad_norm'], depth=m['depth'], loops=m['bucket'],
-               skipped=skips, lr=lr)
-    log = done % t.log_every == 0 or done == t.steps
-    if step == r.start:
-      meter.reset(done)
-      bars.append(bar := make_bar(done))
-    elif log:
-      tps = meter.rate(done)
-      rec.update(tokens_per_s=tps, **({'mfu': tps * flops_tok / peak} if peak else {}))
-      bar.set_postfix(loss=f'{m["loss"]:.3f}', loops=int(m['bucket']), tok_s=f'{tps:,.0f}')
-    if log or step == r.start or not finite:
-      writer.write(done, rec, 'train/')
+    _log_step(r, step, m, skips, lr, writer, meter, bars, make_bar, mfu_per_tps)
     if not finite:
       _bad_step(r, done, m, skips)
     if step > r.start:
-      bar.update(1)
+      bars[-1].update(1)
     paused = done % t.eval_every == 0 or done == t.steps
     if paused:
       val_loss = evaluate(eval_step, r.state.params, val, depths, r.mesh)

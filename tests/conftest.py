@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -191,18 +192,19 @@ def traced_setup(r_max: int, length: int, batch: int = 2):
   return mdl, batches, rng, analysis.trace_batches(mdl, batches, r_max, rng)
 
 
-def built_once(tmp_path_factory, worker_id: str, name: str, build) -> str:
+def built_once(tmp_path_factory, worker_id: str, name: str, build,
+               marker: str = 'summary.json') -> str:
   """A workdir built once per session and shared by the xdist workers (file lock).
 
-  build(path) must end by writing path/summary.json (as training does): a directory
-  without it is rebuilt.
+  build(path) must end by writing path/marker (training writes summary.json): a
+  directory without it is rebuilt.
   """
   root = tmp_path_factory.getbasetemp()
   if worker_id != 'master':
     root = root.parent
   wd = str(root / name)
   with filelock.FileLock(wd + '.lock'):
-    if not os.path.exists(os.path.join(wd, 'summary.json')):
+    if not os.path.exists(os.path.join(wd, marker)):
       shutil.rmtree(wd, ignore_errors=True)
       build(wd)
   return wd
@@ -213,36 +215,33 @@ def main_cases(tmp_path_factory, worker_id):
   """run(module, cases, files) -> one {rc, stdout, stderr, files} per case (`main_cases.py`).
 
   The cases (argument lists; '{tmp}' is each case's own empty folder, '{files}' a folder
-  holding `files`, {name: bytes}, written first) run in one process,
-  once per session for both xdist workers (a file lock, as `built_once`), so a test of
-  many bad flags starts one interpreter instead of one per flag.
+  holding `files`, {name: bytes}, written first) run in one process, once per session
+  for both xdist workers (`built_once`), so a test of many bad flags starts one
+  interpreter instead of one per flag.
   """
-  root = tmp_path_factory.getbasetemp()
-  if worker_id != 'master':
-    root = root.parent
-
   def run(module: str, cases, files=None) -> list[dict]:
     files = files or {}
     key = hashlib.sha256(json.dumps([module, [list(c) for c in cases],
                                      {k: v.hex() for k, v in sorted(files.items())}])
                          .encode()).hexdigest()[:16]
-    folder = root / f'main_cases_{key}'
-    results = folder / 'results.json'
-    cases = [[a.replace('{files}', str(folder / 'files')) for a in c] for c in cases]
-    with filelock.FileLock(str(folder) + '.lock'):
-      if not results.exists():
-        shutil.rmtree(folder, ignore_errors=True)
-        (folder / 'files').mkdir(parents=True)
-        for name, data in files.items():
-          (folder / 'files' / name).write_bytes(data)
-        (folder / 'cases.json').write_text(json.dumps(cases))
-        proc = subprocess.run(
-            [sys.executable, os.path.join(os.path.dirname(__file__), 'main_cases.py'), module,
-             str(folder / 'cases.json'), str(results)], cwd=os.path.dirname(
-                 os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
-            timeout=120 + 30 * len(cases), check=False)
-        assert proc.returncode == 0 and results.exists(), proc.stderr[-3000:]
-      return json.loads(results.read_text())
+
+    def build(path):
+      folder = pathlib.Path(path)
+      (folder / 'files').mkdir(parents=True)
+      for name, data in files.items():
+        (folder / 'files' / name).write_bytes(data)
+      (folder / 'cases.json').write_text(json.dumps(
+          [[a.replace('{files}', str(folder / 'files')) for a in c] for c in cases]))
+      proc = subprocess.run(
+          [sys.executable, os.path.join(os.path.dirname(__file__), 'main_cases.py'), module,
+           str(folder / 'cases.json'), str(folder / 'results.json')],
+          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+          capture_output=True, text=True, timeout=120 + 30 * len(cases), check=False)
+      assert proc.returncode == 0 and (folder / 'results.json').exists(), proc.stderr[-3000:]
+
+    folder = built_once(tmp_path_factory, worker_id, f'main_cases_{key}', build,
+                        marker='results.json')
+    return json.loads((pathlib.Path(folder) / 'results.json').read_text())
 
   return run
 

@@ -84,9 +84,9 @@ def run_case(module: str, args: list[str], folder: str, keep: frozenset) -> dict
       os.close(saved[1])
     out.seek(0)
     err.seek(0)
-    files = sorted([os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder)
-                    for f in fs] + [os.path.relpath(os.path.join(r, d), folder) + '/'
-                                    for r, ds, _ in os.walk(folder) for d in ds])
+    files = sorted(os.path.relpath(os.path.join(r, n), folder) + end
+                   for r, ds, fs in os.walk(folder) for names, end in ((fs, ''), (ds, '/'))
+                   for n in names)
     return dict(rc=rc, stdout=out.read(), stderr=err.read(), files=files)
 
 
