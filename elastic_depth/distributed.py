@@ -66,6 +66,11 @@ def initialize(coordinator_address: Optional[str] = None,
   return True
 
 
+def is_lead() -> bool:
+  """True on the process that writes files and prints a job's own lines (process 0)."""
+  return jax.process_index() == 0
+
+
 def make_mesh(devices: Optional[Sequence[Any]] = None, *, fsdp: int = 1) -> Mesh:
   """A (data, fsdp) mesh over all (or the given) devices; data = devices / fsdp."""
   devices = jax.devices() if devices is None else list(devices)

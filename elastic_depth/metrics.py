@@ -15,9 +15,10 @@ from elastic_depth import lifecycle
 
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets). A kind matches the first
 # pattern found in it as whole words (case-insensitive), most specific first: 'L4' is not
-# 'L40S', and an H100 PCIe is not an H100 SXM.
+# 'L40S', and an H100 PCIe or NVL is not an H100 SXM (NVL: 1,671 TFLOP/s sparse = 835 dense).
 PEAK_BF16_FLOPS = (
-    (r'GH200', 989e12), (r'H200', 989e12), (r'H100 PCIe', 756e12), (r'H100', 989e12),
+    (r'GH200', 989e12), (r'H200 NVL', 835e12), (r'H200', 989e12), (r'H100 PCIe', 756e12),
+    (r'H100 NVL', 835e12), (r'H100', 989e12),
     (r'A100', 312e12), (r'RTX 4090', 165e12), (r'L40S', 362e12), (r'L40', 181e12), (r'L4', 121e12),
     (r'TPU v5 lite', 197e12), (r'TPU v5e', 197e12), (r'TPU v5p?', 459e12),
     (r'TPU v4', 275e12), (r'TPU v6( lite|e)?', 918e12),

@@ -202,7 +202,7 @@ def _build_data(cfg: Config, workdir: str):
   if jax.process_count() == 1:
     return _build_data_here(cfg, workdir)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  ds = _build_data_here(cfg, workdir) if jax.process_index() == 0 else None
+  ds = _build_data_here(cfg, workdir) if distributed.is_lead() else None
   multihost_utils.sync_global_devices('elastic_depth: data of process 0 built')
   return ds if ds is not None else _build_data_here(cfg, workdir)
 
@@ -236,7 +236,7 @@ def _restore(mngr, state, mesh: Mesh, cfg: Config, ds) -> tuple[int, TrainState,
   target = distributed.abstract_like(
       state, distributed.state_shardings(state, mesh, cfg.train))
   restored = checkpoint.restore_latest(mngr, target, cfg, tokenizer=ds.tokenizer,
-                                       quarantine=jax.process_index() == 0)
+                                       quarantine=distributed.is_lead())
   if restored is None:
     print(f'--resume: no checkpoint in {mngr.directory} yet; starting at step 0', flush=True)
     return 0, place_state(state, mesh, cfg.train), 0
@@ -298,7 +298,7 @@ def _prepare(cfg: Config, workdir: str, resume: bool) -> _Run:
     raise ConfigError(f'train.steps={t.steps} is below the step {start} restored from '
                       f'{mngr.directory}: nothing to train; raise --config.train.steps '
                       '(config.json and summary.json are left as they were)')
-  if jax.process_index() == 0 and start < t.steps:
+  if distributed.is_lead() and start < t.steps:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       json.dump(config_dict(cfg), f, indent=1)
   return _Run(cfg, workdir, mesh, mngr, ds, graphdef, state, start,
@@ -435,9 +435,13 @@ def _saved_summary(workdir: str) -> dict:
 
 
 def _finish(r: _Run, summary: dict, skips: int) -> dict:
-  """Phase 4: the summary file."""
+  """Phase 4: the summary file; a resumed session that validated nothing (a signal stopped
+  it first) keeps the last validation that summary.json holds."""
+  if r.start and 'val_loss' not in summary:
+    saved = _saved_summary(r.workdir)
+    summary = {**{k: saved[k] for k in ('step', 'val_loss') if k in saved}, **summary}
   summary.update(skipped=skips, last_step=int(r.state.step))
-  if jax.process_index() == 0:
+  if distributed.is_lead():
     with open(os.path.join(r.workdir, 'summary.json'), 'w', encoding='utf-8') as f:
       json.dump(summary, f, indent=1)
   return summary
@@ -461,15 +465,16 @@ def run(cfg: Config, workdir: str, *, resume: bool = False, quiet: bool = False)
       print(f'--resume: the checkpoint is at train.steps={r.start} already; nothing to '
             'train (summary.json kept)', flush=True)
       return _saved_summary(workdir)
-    writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0,
-                                  resume_step=r.start)
-    print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
-          f'{r.ds.describe()}, '
-          f'{grad_accum_steps(cfg.train) * cfg.train.batch_size * cfg.train.seq_len} '
-          f'tokens/step, steps {r.start}->{cfg.train.steps}', flush=True)
+    lead = distributed.is_lead()  # one log, banner and bar per job, not one per process
+    writer = metrics.MetricWriter(workdir, enabled=lead, resume_step=r.start)
+    if lead:
+      print(f'elastic-depth: {model_lib.count_params(cfg.model):,} params, '
+            f'{r.ds.describe()}, '
+            f'{grad_accum_steps(cfg.train) * cfg.train.batch_size * cfg.train.seq_len} '
+            f'tokens/step, steps {r.start}->{cfg.train.steps}', flush=True)
     bars = []
     make_bar = lambda initial: metrics.progress(cfg.train.steps, initial, unit='step',
-                                                disable=quiet or None)
+                                                disable=quiet or not lead or None)
     try:
       summary, skips = _loop(r, pre, writer, bars, make_bar)
     finally:

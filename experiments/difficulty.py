@@ -12,7 +12,7 @@ at the end of a synthetic run with data.loss_on=answers. Writes
 import jax
 from absl import app, flags
 
-from elastic_depth import difficulty, reports
+from elastic_depth import difficulty, distributed, reports
 from experiments import common, flags_util
 
 
@@ -25,6 +25,8 @@ def run(opts: common.Options) -> dict:
                             '(its tokens carry their difficulty k)')
   res = difficulty.report(ld.model, ld.batches, jax.random.key(opts.seed), ld.r_max,
                           common.train_mean(ld.cfg), progress=opts.progress)
+  if not distributed.is_lead():  # a multi-process job: process 0 writes and prints
+    return {'results': res, 'paths': {}}
   info = ld.checkpoint_info()
   paths = reports.write(opts.workdir, common.report_name('difficulty', opts), res,
                         flags=common.flag_record(opts, ld), checkpoint=info,

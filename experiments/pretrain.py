@@ -108,13 +108,16 @@ def main(argv):
     if jax.process_count() == 1:
       raise
     _peer_lost(e)
+  lead = distributed.is_lead()  # the job's closing lines once, not once per process
   if 'preempted_at' in summary:
     at = summary['preempted_at']
-    print('preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
-                            '--resume' if at else 'stopped before the first step'), flush=True)
+    if lead:
+      print('preempted: ' + (f'checkpoint at step {at} in {_WORKDIR.value}; continue with '
+                              '--resume' if at else 'stopped before the first step'),
+            flush=True)
     return
   losses = summary.get('val_loss', {})
-  if losses:
+  if losses and lead:
     depths = sorted(losses)
     mean = min(depths, key=lambda d: abs(d - cfg.depth.mean))
     print(f'validation loss: depth {depths[0]} = {losses[depths[0]]:.4f}, depth {mean} '
@@ -122,6 +125,7 @@ def main(argv):
           + ', '.join(f'r={d}: {losses[d]:.4f}' for d in depths))
   if _REPORT.value and cfg.data.source == 'synthetic' and cfg.data.loss_on == 'answers':
     from experiments import common, difficulty  # pylint: disable=g-import-not-at-top
+    # every process runs it alike, as each ran training; only the lead writes and prints
     difficulty.run(common.Options(workdir=_WORKDIR.value, batches=8,
                                   progress=False))
 

@@ -68,6 +68,7 @@ def test_metric_writer_keeps_jsonl_strict_with_non_finite_values(tmp_path):
 @pytest.mark.parametrize('kind,peak', [
     # device_kind strings as jax reports them, against the data sheets' dense bf16 peaks
     ('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA H200', 989e12),
+    ('NVIDIA H100 NVL', 835e12), ('NVIDIA H200 NVL', 835e12),  # the PCIe cards with NVLink
     ('NVIDIA GH200 480GB', 989e12),  # Grace Hopper's GPU (H100-class: 989 dense bf16)
     ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA A100 80GB PCIe', 312e12),
     ('NVIDIA GeForce RTX 4090', 165e12), ('NVIDIA L4', 121e12), ('NVIDIA L40S', 362e12),

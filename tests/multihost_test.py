@@ -23,6 +23,7 @@ STEPS = 20
 
 FLAGS = [
     '--config.data.source=synthetic', '--config.data.synth_examples=600',
+    '--config.data.loss_on=answers',  # the two-process run ends with the difficulty report
     '--config.data.synth_max_hops=2', '--config.model.vocab_size=64',
     '--config.model.d_model=32', '--config.model.num_heads=4', '--config.model.num_kv_heads=2',
     '--config.model.head_dim=8', '--config.model.mlp_dim=64', '--config.model.max_len=32',
@@ -84,17 +85,18 @@ def _two_processes(workdir, extra=()):
 def _runs(root) -> dict:
   """Losses of the five runs: 2 processes x 2 devices, 1 x 4, 1 x 1, fsdp 4, resume."""
   wd = {k: str(root / k) for k in ('p2', 'd4', 'd1', 'fsdp4', 'resume')}
-  _two_processes(wd['p2'])
-  singles = [_start(wd['d4'], 4), _start(wd['d1'], 1),
-             _start(wd['fsdp4'], 4, ['--config.train.fsdp=4'])]
+  outs = _two_processes(wd['p2'])
+  no_report = '--nodifficulty_report'
+  singles = [_start(wd['d4'], 4, [no_report]), _start(wd['d1'], 1, [no_report]),
+             _start(wd['fsdp4'], 4, ['--config.train.fsdp=4', no_report])]
   for p in singles:
     _wait(p)
   # the 2-process checkpoint of step 10, resumed by 1 process with 1 device
   shutil.copytree(wd['p2'], wd['resume'])
   shutil.rmtree(os.path.join(wd['resume'], 'checkpoints', str(STEPS)))
   os.remove(os.path.join(wd['resume'], 'metrics.jsonl'))
-  _wait(_start(wd['resume'], 1, ['--resume']))
-  return {**{k: _losses(v) for k, v in wd.items()},
+  _wait(_start(wd['resume'], 1, ['--resume', no_report]))
+  return {'stdout': outs,**{k: _losses(v) for k, v in wd.items()},
           **{f'{k}/val': _losses(v, 'val/loss_r1') for k, v in wd.items()},
           **{f'{k}/{m}': _losses(v, f'train/{m}') for k, v in wd.items()
              for m in ('mfu', 'tokens_per_s')}}
@@ -122,6 +124,12 @@ def test_two_processes_fsdp_and_a_resume_equal_one_device(tmp_path):
   assert per_tps['d1'] and len(per_tps['d4']) == len(per_tps['p2']) == len(per_tps['d1'])
   for k in ('d4', 'p2'):
     np.testing.assert_allclose(per_tps[k], np.asarray(per_tps['d1']) / 4, rtol=1e-9)
+  # one banner, closing line and report per job: process 0's
+  lines = ('elastic-depth: ', 'validation loss: depth 1 = ', 'report ')
+  lead, other = runs['stdout']
+  assert all(line in lead for line in lines), lead
+  assert not any(line in other for line in lines), other
+  assert os.path.exists(os.path.join(tmp_path, 'p2', 'reports', 'difficulty.json'))
   # fsdp equals one device
   _assert_same(runs['fsdp4'], runs['d1'], range(1, STEPS + 1))
   # the two-process checkpoint resumes on one device

@@ -333,3 +333,27 @@ def test_a_resume_after_a_kill_logs_each_step_once(tmp_path, make_config):
   recs = [json.loads(l) for l in (wd / 'metrics.jsonl').read_text().splitlines()]
   assert [r['step'] for r in recs if 'train/loss' in r] == [1, 2, 3, 4, 5, 6]
   assert [r['step'] for r in recs if 'val/loss_r1' in r] == [6]
+
+
+def test_a_preempted_resume_keeps_the_last_validation_in_the_summary(tmp_path, make_config,
+                                                                     monkeypatch):
+  """A resumed session stopped by a signal before it validates: summary.json still holds
+  the last validation (the finished run's), beside preempted_at."""
+  cfg = make_config(train=dict(steps=4, log_every=1, eval_every=4, ckpt_every=4,
+                               eval_batches=1, eval_depths=(1,)))
+  train_lib.run(cfg, str(tmp_path), quiet=True)
+  done = json.loads((tmp_path / 'summary.json').read_text())
+  assert done['step'] == 4 and set(done['val_loss']) == {'1'}
+  calls = []
+
+  def signal_after_one_step(signum):
+    calls.append(signum)
+    return 15 if len(calls) == 2 else None  # calls: before step 5, after it
+
+  monkeypatch.setattr(distributed, 'agree_signal', signal_after_one_step)
+  more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=8))
+  summary = train_lib.run(more, str(tmp_path), resume=True, quiet=True)
+  saved = json.loads((tmp_path / 'summary.json').read_text())
+  assert summary['preempted_at'] == saved['preempted_at'] == 5
+  assert saved['step'] == 4 and saved['val_loss'] == done['val_loss']
+  assert saved['last_step'] == 5
