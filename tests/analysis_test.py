@@ -122,6 +122,37 @@ def test_convergence_summary(setup):
   assert pl['mean_argmax_changed'][0] == 0
 
 
+def test_convergence_fields_on_a_synthetic_trace_vs_brute_force():
+  """Every field convergence() derives, on a hand-made trace where argmaxes change late and
+  some tokens converge only at loop R or never, against loops written out by hand."""
+  rs = np.random.default_rng(4)
+  r, n, l = 6, 5, 9
+  kl = rs.random((r, n, l)) * 2e-3  # eps 1e-3: converges anywhere from loop 2 to never
+  kl[-1, 0, :3] = 0.0  # ... and some at loop R exactly
+  kl[-2, 0, :3] = 1.0
+  stats = {'kl': kl, 'rkl': rs.random((r, n, l)), 'delta': rs.random((r, n, l)),
+           'nll': rs.random((r, n, l)) * 3, 'argmax': rs.integers(0, 3, (r, n, l))}
+  mask = (rs.random((n, l)) < 0.8).astype(np.float32)
+  difficulty = rs.integers(-1, 3, (n, l))
+  trace = analysis.Trace(stats, np.zeros((n, l), np.int32), np.zeros((n, l), np.int32), mask,
+                         difficulty)
+  groups = {'difficulty': analysis.difficulty_groups(difficulty)}
+  res = analysis.convergence(trace, ref_depth=3.2, eps_conv=1e-3, groups=groups)
+  valid = mask > 0
+  am = stats['argmax']
+  for i in range(r):  # the share of tokens whose argmax changed from loop i to i + 1
+    want = 0.0 if i == 0 else np.mean([am[i][t] != am[i - 1][t] for t in zip(*np.nonzero(valid))])
+    assert res['per_loop']['mean_argmax_changed'][i] == pytest.approx(want)
+  conv = _brute_kl_conv(kl, 1e-3)
+  assert np.sum(conv[valid] == r) > 0 and np.sum(conv[valid] > r) > 0  # both cases present
+  assert res['kl_depth']['share_not_converged'] == pytest.approx(np.mean(conv[valid] > r))
+  for name, row in res['by_difficulty'].items():
+    sel = groups['difficulty'][name] & valid
+    assert row['loss_ref'] == pytest.approx(np.mean(stats['nll'][3 - 1][sel]))  # depth 3
+    assert row['loss_final'] == pytest.approx(np.mean(stats['nll'][r - 1][sel]))
+    assert row['kl_depth_median'] == np.median(conv[sel])
+
+
 @pytest.mark.parametrize('rows,chunk', [(10, 4), (8, 4), (3, 64)])
 def test_in_row_chunks_equals_one_call_on_all_rows(rows, chunk):
   rng = np.random.default_rng(0)

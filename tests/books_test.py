@@ -376,6 +376,11 @@ def test_headline_on_hand_built_curve():
     assert b['a0_loss_same_flops'] == pytest.approx(np.interp(ml[best] + 0.7, d0, l0))
   h = books.headline(a0, curve, 8, 0.01)
   assert h['best']['index'] == 2 and h['uniform_depth_within_delta'] == 8.0
+  # two points at the fewest loops within delta: the lower loss is the headline
+  tied = dict(curve, mean_loops=ml[:3] + [4.2, 2.0], loss=loss[:3] + [2.129, 2.6])
+  h = books.headline(a0, tied, 8, 0.01)
+  assert h['best']['index'] == _brute_headline(d0, l0, tied['mean_loops'], tied['loss'], 8,
+                                               0.01)[1] == 3
   assert h['points_beating_a0_same_loops'] == sum(
       x < np.interp(m, d0, l0) for m, x in zip(ml, loss))
 

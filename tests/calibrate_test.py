@@ -20,7 +20,9 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
 
 
 @pytest.mark.parametrize('mean,n,delta', [(0.05, 100, 0.1), (0.0, 30, 0.2), (0.09, 500, 0.1),
-                                          (0.3, 50, 0.2)])
+                                          (0.3, 50, 0.2),
+                                          # n * mean not whole: the count rounds up
+                                          (0.053, 100, 0.1), (0.071, 70, 0.15)])
 def test_p_values_against_closed_forms(mean, n, delta):
   kl = (mean * math.log(mean / delta) if mean else 0.0) + (1 - mean) * math.log(
       (1 - mean) / (1 - delta))
@@ -101,3 +103,34 @@ def test_unit_risks_by_brute_force():
       assert loss[j, u] == pytest.approx(want)
       assert arg[j, u] == pytest.approx(sum(am[j, i, t] != am_ref[i, t] for t in toks)
                                         / len(toks))
+
+
+def test_calibrate_tests_the_grid_in_order_and_reports_the_chosen_eps():
+  """calibrate() on hand-built scores: the fixed sequence runs from the most conservative
+  eps, and the reported eps, p-values and per-split summaries are the brute force's."""
+  rng = np.random.default_rng(3)
+  g, n, l, delta, alpha = 4, 60, 6, 0.1, 0.1
+  ref = rng.random((n, l)) * 2
+  # the loss increase grows with eps: grid points 0 and 1 are certified, 2 and 3 are not
+  rise = np.array([0.0, 0.01, 0.3, 0.9])[:, None, None] * rng.random((g, n, l))
+  mask = (rng.random((n, l)) < 0.7).astype(np.float32)
+  am = rng.integers(0, 5, (n, l))
+  depth = np.arange(1, g + 1)[:, None, None] * np.ones((g, n, l), np.int32)
+  scores = {'nll': ref + rise, 'argmax': np.stack([am] * g), 'depth': depth,
+            'ref_nll': ref, 'ref_argmax': am}
+  grid = [1e-3, 1e-2, 1e-1, 1.0]
+  res = calibrate.calibrate(scores, mask, scores, mask, grid, delta=delta, alpha=alpha)
+  # brute force: per-sequence mean clipped increase, p-values in grid order
+  units = [[(np.clip(rise[j, i], 0, 1) * mask[i]).sum() / mask[i].sum() for i in range(n)]
+           for j in range(g)]
+  ps, chosen = [], None
+  for j in range(g):
+    ps.append(calibrate.p_hoeffding_bentkus(float(np.mean(units[j])), n, delta))
+    if ps[-1] > alpha:
+      break
+    chosen = j
+  assert chosen == 1 and res['index'] == 1 and res['eps'] == grid[1]
+  np.testing.assert_allclose(res['p_values'], ps, rtol=1e-9)
+  m = mask.astype(np.float64)
+  assert res['heldout']['mean_loops'] == pytest.approx(2.0)
+  assert res['heldout']['loss'] == pytest.approx(((ref + rise[1]) * m).sum() / m.sum())

@@ -2,12 +2,14 @@
 need more permutations exit later, by a margin no depth-independent model could show."""
 
 import jax
+import numpy as np
 import pytest
+
+from conftest import traced_setup
 
 from elastic_depth import config as config_lib, difficulty, train
 from experiments import common
 
-pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 
 STEPS = 300
 R_MAX = 6
@@ -35,6 +37,7 @@ def _report(root) -> dict:
                            eps_grid=[1e-4, 1e-3, 1e-2, 1e-1])
 
 
+@pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 def test_exit_depth_rises_with_k_and_depth_is_used_by_the_hard_answers(tmp_path):
   """One test over one training run (a module fixture would be rebuilt on each xdist worker)."""
   report = _report(tmp_path)
@@ -54,7 +57,6 @@ def test_an_undefined_rank_correlation_is_said_not_shown_as_zero():
   """One class of k (or a constant exit depth): Spearman is undefined, written as JSON null
   and 'undefined' in the text, not 0.00 (which reads as 'exit depth ignores k')."""
   from elastic_depth import reports  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   k = np.array([1, 1, 2, 2, 3, 3])
   assert np.isnan(difficulty.spearman_exit_k(np.full(6, 2), k))  # constant exit depth
   assert np.isnan(difficulty.spearman_exit_k(np.arange(6), np.ones(6)))  # one class of k
@@ -70,3 +72,27 @@ def test_an_undefined_rank_correlation_is_said_not_shown_as_zero():
   v['spearman_exit_k'] = 0.4
   assert difficulty._summary_line('kl', v, {'ref_depth': 4.0, 'ref_loss': 0.1,
                                             'delta': 0.01}).endswith('= 0.40')
+
+
+def test_report_fields_against_the_trace_and_the_frontier():
+  """On a random model: the losses by k at depth 1 and at the training mean are the
+  uniform trace's, and each variant's gain over A0 is max(A0 at equal loops - loss)."""
+  r_max, ref_depth = 6, 3.4
+  mdl, batches, rng, trace = traced_setup(r_max, 8, 2)
+  res = difficulty.report(mdl, batches, rng, r_max, ref_depth, eps_grid=[1e-2, 1e-1, 1.0])
+  diff, sel = trace.difficulty, (trace.mask > 0) & (trace.difficulty > 0)
+  nll = trace.stats['nll'].astype(np.float64)
+  assert res['k'] == [1, 2, 3]
+  for i, k in enumerate(res['k']):
+    s = sel & (diff == k)
+    assert res['tokens_by_k'][i] == s.sum()
+    assert res['loss_depth1'][i] == pytest.approx(nll[0][s].mean(), rel=1e-6)
+    assert res['loss_train_mean'][i] == pytest.approx(nll[3 - 1][s].mean(), rel=1e-6)
+  a0 = res['a0']
+  for name, v in res['a1'].items():
+    c = v['curve']
+    gain = max(np.interp(m, a0['mean_loops'], a0['loss']) - x
+               for m, x in zip(c['mean_loops'], c['loss']))
+    if name != 'confidence_answers':  # its own grid reaches full depth: a gain of ~0
+      assert abs(gain) > 1e-4, name  # a flipped sign could not pass
+    assert v['best_gain_same_loops'] == pytest.approx(gain, rel=1e-6, abs=1e-7), name

@@ -53,6 +53,8 @@ def test_sweep_end_points_and_accounting(setup):
   nll, depth = _score(mdl, batches, rng, config.ExitConfig(policy='kl', eps=mid, max_loops=R))
   assert 2 < c['mean_loops'][1] < R
   assert c['mean_loops'][1] == pytest.approx(np.sum(depth * mask) / np.sum(mask))
+  assert np.sum((depth == R - 1) * mask) > 0  # a token one loop short of the cap counts not
+  assert c['share_max_depth'][1] == pytest.approx(np.sum((depth == R) * mask) / np.sum(mask))
   # per-sequence sums (what the gap's bootstrap resamples), row by row
   assert c['row_tokens'] == pytest.approx(mask.sum(1))
   assert c['row_loops'][1] == pytest.approx(np.sum(depth * mask, 1))
@@ -93,6 +95,9 @@ def test_sweep_wires_curves_and_headlines(setup):
   assert res['curves']['kl']['threshold'] == [0.0, 1e9]
   assert res['curves']['state_delta']['mean_loops'] == [2.0]
   assert res['a0']['loss'] == analysis.elasticity(trace)['loss']
+  # gated_kl's default gate: the median relative state change at loop 2 (s_2 against s_1)
+  assert res['gate'] == pytest.approx(float(np.median(trace.stats['delta'][1][trace.mask > 0])))
+  assert res['gate'] != pytest.approx(float(np.median(trace.stats['delta'][0][trace.mask > 0])))
   wc = res['headline']['kl']['best']['wall_clock']  # timed by default, against A0 at 3
   assert wc['a0_depth'] == 3 and wc['a0_s'] > 0 and wc['policy_s'] > 0
   assert wc['saving'] == pytest.approx(1 - wc['policy_s'] / wc['a0_s'])

@@ -95,6 +95,34 @@ def test_fit_recovers_a_planted_probe():
     assert ev['spearman_probe'] > 0.99
 
 
+def test_evaluate_against_float64_numpy_and_scipy():
+  """Every figure evaluate() reports, on hand-made pairs (a fifth at the floor): the
+  estimate by probe_np, the state change ||s_i - s_{i-1}|| / ||s_i||, Spearman by scipy."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  r = np.random.default_rng(11)
+  n, d = 300, 8
+  probe = random_probe(d, 3, seed=2, loops=2)
+  x = r.normal(size=(n, d)).astype(np.float32)
+  delta = (r.normal(size=(n, d)) * np.exp(r.normal(size=(n, 1)))).astype(np.float32)
+  loops = r.choice([2, 3, 4], n)
+  y = r.normal(size=n) * 2 - 3
+  y[r.random(n) < 0.2] = kl_probe.LOG_FLOOR
+  h = kl_probe.Harvest(delta, x, y.astype(np.float32), loops)
+  ev = kl_probe.evaluate(probe, h)
+  x64, d64, y64 = x.astype(np.float64), delta.astype(np.float64), h.log_kl_N.astype(np.float64)
+  pred = np.array([np.log(probe_np(probe, x64[j], x64[j] - d64[j], loops[j])) for j in range(n)])
+  change = np.linalg.norm(d64, axis=1) / np.linalg.norm(x64, axis=1)
+  above = h.log_kl_N > np.float32(kl_probe.LOG_FLOOR)  # the floor as stored, in float32
+  assert ev['n'] == n and ev['share_floored'] == pytest.approx(1 - above.mean())
+  assert ev['rmse_log_kl'] == pytest.approx(np.sqrt(np.mean((pred - y64)[above] ** 2)), rel=1e-4)
+  assert ev['spearman_probe'] == pytest.approx(
+      stats.spearmanr(np.maximum(pred, kl_probe.LOG_FLOOR), y64)[0], abs=1e-6)
+  assert ev['spearman_state_change'] == pytest.approx(stats.spearmanr(change, y64)[0], abs=1e-6)
+  err = np.where(above, pred - y64, np.maximum(pred - y64, 0))
+  assert ev['mse_censored'] == pytest.approx(np.mean(err ** 2), rel=1e-4)
+  assert (ev['rank'], ev['hidden'], ev['loops']) == (3, 3, 2)
+
+
 def test_fit_recovers_planted_per_loop_sets():
   """Two planted sets (loop 2; loops 3 and later): a two-set fit recovers both, each from
   its loops' pairs; one set for all loops cannot."""

@@ -111,3 +111,15 @@ def test_argmax_rows_equals_numpy_argmax():
   x3 = np.random.default_rng(1).standard_normal((2, 3, 700)).astype(np.float32)  # [B, L, V]
   np.testing.assert_array_equal(np.asarray(losses.argmax_rows(jnp.asarray(x3))),
                                 np.argmax(x3, -1))
+
+
+def test_kl_from_logits_is_kl_of_the_new_distribution_from_the_old():
+  """KL(p_new || p_old) per row against float64 numpy; the two directions differ here."""
+  new = np.log(np.array([[0.98, 0.01, 0.01], [0.2, 0.3, 0.5]]))
+  old = np.log(np.array([[1 / 3, 1 / 3, 1 / 3], [0.6, 0.3, 0.1]])) + 1.7  # shifted logits
+  p, q = np.exp(new), np.exp(old - 1.7)
+  want = (p * (np.log(p) - np.log(q))).sum(1)
+  reverse = (q * (np.log(q) - np.log(p))).sum(1)
+  assert np.all(np.abs(want - reverse) > 0.05)  # a swapped direction cannot pass
+  got = losses.kl_from_logits(jnp.asarray(new, jnp.float32), jnp.asarray(old, jnp.float32))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)

@@ -129,8 +129,11 @@ def test_fit_recovers_a_planted_router_with_balanced_classes():
   pi = float(fit_h.labels_N.mean())
   assert 0.15 < pi < 0.35
   r = router.fit(fit_h, steps=1500, lr=5e-2)
-  # the fit standardises with the sample's mean and sd: map its weights back
-  sd = np.asarray(r.sd_D, np.float64) / np.linspace(0.5, 2, len(w))
+  # the fit standardises with the sample's mean and sd (float64 numpy): map its weights back
+  x = fit_h.states_NxD.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(r.mu_D), x.mean(0), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(r.sd_D), x.std(0) + 1e-6, rtol=1e-4)
+  sd = x.std(0) / np.linspace(0.5, 2, len(w))
   np.testing.assert_allclose(np.asarray(r.w_D) / sd, w, atol=0.1)
   assert abs(float(r.b) - (b + np.log((1 - pi) / pi))) < 0.15
   y = test_h.labels_N > 0.5

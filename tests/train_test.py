@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from elastic_depth import distributed
@@ -70,7 +71,7 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
   cfg, graphdef, step_fn = setup
   state = fresh_state(cfg, mesh)
   seed_key = jax.random.key(cfg.train.seed)
-  seen = set()
+  seen, opt_state = set(), host_copy(state.opt_state)
   for step in range(6):
     host = make_batch(cfg, 100 + step, mask_frac=0.3)
     params = host_copy(state.params)
@@ -92,7 +93,50 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
     logits = mdl.logits(mdl.decode_state(s, pos)[0])
     want = np_masked_nll(logits, host['targets'], host['mask'])
     assert float(m['loss']) == pytest.approx(want, rel=2e-5)
+    if step < 2:  # the gradient of that mean, and the AdamW update it makes
+      g_ref = jax.grad(_python_loop_loss)(jax.tree.map(jnp.asarray, params), graphdef, host,
+                                          key, depth)
+      assert float(m['grad_norm']) == pytest.approx(float(optax.tree.norm(g_ref)), rel=1e-4)
+      tx = train_lib.make_optimizer(cfg)
+      updates, _ = tx.update(g_ref, opt_state, params)
+      assert trees_max_diff(state.params, optax.apply_updates(params, updates)) < 1e-6
+    opt_state = host_copy(state.opt_state)
   assert len(seen) >= 2
+
+
+def _python_loop_loss(params, graphdef, host, key, depth):
+  """The masked mean NLL at a fixed depth, by a Python loop over core steps."""
+  mdl = model_lib.bind(graphdef, params)
+  tokens = jnp.asarray(host['inputs'])
+  pos = model_lib.positions(tokens)
+  e, _ = mdl.encode(tokens, pos)
+  s, inj = mdl.initial_state(e, key, pos), mdl.inject(e)
+  for _ in range(depth):
+    s, _ = mdl.core_step(s, inj, pos)
+  logp = jax.nn.log_softmax(mdl.logits(mdl.decode_state(s, pos)[0]).astype(jnp.float32), -1)
+  nll = -jnp.take_along_axis(logp, jnp.asarray(host['targets'])[..., None], -1)[..., 0]
+  mask = jnp.asarray(host['mask'], jnp.float32)
+  return jnp.sum(nll * mask) / jnp.sum(mask)
+
+
+def test_validation_loss_is_token_weighted_over_batches(setup, mesh, make_batch):
+  """evaluate: NLL per scored token over all batches (a batch with 3 tokens weighs 3),
+  against a Python-loop forward."""
+  cfg, graphdef, _ = setup
+  _, state = train_lib.init_state(cfg, seed=0)
+  small, big = make_batch(cfg, 7), make_batch(cfg, 8)
+  small['mask'][:] = 0.0
+  small['mask'][0, :3] = 1.0
+  eval_step = train_lib.make_eval_step(graphdef, cfg)
+  got = train_lib.evaluate(eval_step, state.params, [small, big], [1, 2], mesh)
+  key = jax.random.fold_in(jax.random.key(cfg.train.seed), 0xe7a1)
+  for depth in (1, 2):
+    sums = [_python_loop_loss(state.params, graphdef, b, key, depth) * b['mask'].sum()
+            for b in (small, big)]
+    want = float(sum(sums)) / (small['mask'].sum() + big['mask'].sum())
+    assert got[depth] == pytest.approx(want, rel=2e-5)
+    means = [float(x) / b['mask'].sum() for x, b in zip(sums, (small, big))]
+    assert abs(np.mean(means) - want) > 1e-3  # a mean of batch means would fail
 
 
 def test_step_compiles_once_across_depths(setup, mesh, make_batch):
