@@ -320,3 +320,21 @@ def test_pooled_keys_is_what_the_compiled_attention_multiplies(c):
   # output element): a few percent at 16 keys of 64 dims
   assert want <= got <= 1.08 * want
   assert want == b * l * l / c  # every row's queries over all its keys
+
+
+def test_compacted_coda_passes_with_two_coda_blocks():
+  """with n_coda = 2 the compacted engine runs the coda over all B x L tokens at
+  every read: its coda passes equal the masked engine's."""
+  mdl = _model(2)
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 8)), jnp.int32)
+  rng = jax.random.key(0)
+  tr = inference.score(mdl, toks, config.ExitConfig(policy='uniform', depth=6), rng,
+                       trace=True).traces
+  eps = float(np.median(np.asarray(tr['kl'])[1:]))
+  cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=6)
+  ref = inference.score(mdl, toks, cfg, rng).counts
+  got = inference.score(mdl, toks, dataclasses.replace(cfg, engine='compacted',
+                                                         compact_steps=2), rng).counts
+  assert len(np.unique(np.asarray(ref.depth))) > 1
+  assert float(got.coda_passes) == float(ref.coda_passes)
+  assert float(got.head_passes) <= float(ref.head_passes)  # the head is compacted

@@ -351,3 +351,41 @@ def test_gated_check_keeps_its_gate_on_every_decode_path():
   _, capped = decoding.generate(mdl, p, n, cfg, rng, depth_BxN=jnp.full((2, n), r, jnp.int32))
   assert np.asarray(fast).min() < r  # tokens exit
   np.testing.assert_array_equal(np.asarray(capped), np.asarray(fast))
+
+
+def test_cached_kl_never_exits_at_loop_one():
+  """decode_step's paired KL check has no p_0 at loop 1: with min_loops = 1 and an eps
+  every KL is below, every decoded token runs exactly 2 loops (as parallel scoring)."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  cfg = config.ExitConfig(policy='kl', eps=1e9, min_loops=1, max_loops=6)
+  toks = jnp.asarray([[3, 17, 5, 9, 1, 2]], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(inference.score(mdl, toks, cfg, rng).depth), 2)
+  _, depth, _ = decoding.score_cached(mdl, toks, 2, cfg, rng)
+  np.testing.assert_array_equal(np.asarray(depth), 2)
+
+
+def test_cached_kl_direction_matches_brute_force():
+  """The cached fast path's statistic is KL(p_i || p_{i-1}), not the reverse: at an eps
+  between the two directions of some token's loop, depths equal the float64 brute force."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(11))
+  rng = jax.random.key(0)
+  toks = jnp.asarray([[3, 17, 5, 9, 1, 2, 30, 7]], jnp.int32)
+  r = 8
+  uni = config.ExitConfig(policy='uniform', depth=r)
+  cache, _, _ = decoding.prefill(mdl, toks[:, :4], uni, rng, toks.shape[1])
+  kl, rkl = [], []
+  for t in range(4, toks.shape[1]):
+    *_, tr = decoding.decode_step(mdl, cache, toks[:, t], t, uni, rng, trace=True)
+    cache = decoding.decode_step(mdl, cache, toks[:, t], t, uni, rng)[1]
+    kl.append(np.asarray(tr['kl'])[1:, 0, 0])
+    rkl.append(np.asarray(tr['rkl'])[1:, 0, 0])
+  kl, rkl = np.concatenate(kl), np.concatenate(rkl)
+  ratio = np.abs(np.log(kl / rkl))
+  assert ratio.max() > 0.1  # the two directions differ at some loop
+  for j in np.argsort(ratio)[::-1][:6]:  # eps between them, where they differ the most
+    eps = float(np.sqrt(kl[j] * rkl[j]))
+    _, ref_depth = brute_cached(mdl, toks, 4, eps, r, rng)
+    cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=r)
+    _, depth, _ = decoding.score_cached(mdl, toks, 4, cfg, rng)
+    np.testing.assert_array_equal(np.asarray(depth), ref_depth)

@@ -331,3 +331,21 @@ def test_bf16_checks_multiply_the_head_in_the_compute_dtype(policy):
       mdl, cache, t, 3, cfg, jax.random.key(0), trace=True))(toks[:, 0]).jaxpr
   dots = _head_dots(jpr, mcfg.vocab_size, mcfg.d_model)
   assert len(dots) >= 2 and all(dt == ('bfloat16', 'bfloat16') for dt in dots), dots
+
+
+def test_forward_kl_kernel_branch_matches_brute_force(monkeypatch):
+  """the fused-kernel branch of policy kl (the reference standing in for the kernel on
+  CPU) reads KL(p_i || p_{i-1}): at an eps separating the directions, depths equal the
+  brute force's forward-KL run."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 10)), jnp.int32)
+  rng = jax.random.key(7)
+  eps, _, _ = _direction_eps(mdl, toks, rng)
+  ref_logits, ref_depth, _ = brute_parallel(mdl, toks, eps, 1, R, rng, 'kl')
+  monkeypatch.setattr(kl_halting, 'kernel_active', lambda use: use)
+  monkeypatch.setattr(kl_halting, 'kl_halting_auto',
+                      lambda h, hp, w, use_kernel=True: kl_halting.reference_kl_halting(h, hp, w))
+  out = inference.score(mdl, toks, config.ExitConfig(policy='kl', eps=eps, max_loops=R,
+                                                     use_kernel=True), rng)
+  np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)

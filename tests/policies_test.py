@@ -224,3 +224,18 @@ def test_trained_buckets_keep_every_bucket_a_draw_can_round_to(r_max):
   assert reached <= set(trained), (reached, trained)
   _, depth = policies.bucket_frequencies(0, 2000, cfg)  # the sampler's own draws too
   assert set(depth.tolist()) <= set(trained)
+
+
+def test_kl_equal_to_eps_does_not_exit():
+  """A check exits where KL < eps, strictly: with a readout that ignores the state,
+  KL(p_i || p_{i-1}) = 0 exactly, so eps = 0 never exits and any eps > 0 exits at loop 2."""
+  r = np.random.default_rng(0)
+  h = jnp.asarray(r.normal(size=(1, 3, 8)), jnp.float32)
+  w = jnp.asarray(r.normal(size=(16, 8)), jnp.float32)
+  s = [jnp.asarray(r.normal(size=(1, 3, 8)), jnp.float32) for _ in range(3)]
+  for eps, want in ((0.0, False), (1e-6, True)):
+    fn, c0 = policies.make_check_fn('kl', eps=eps, readout=lambda _: h, w_VxD=w)
+    c = c0(s[0])
+    _, c, _ = fn(s[1], s[0], c, jnp.int32(1))
+    ex, _, _ = fn(s[2], s[1], c, jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(ex), want)

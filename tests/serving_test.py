@@ -362,3 +362,38 @@ def test_bf16_rows_equal_their_own_generation():
   cfg, eps_B, out = _two_tiers(mdl, rng, 'kl', 'kl')
   assert len(np.unique(np.asarray(out.depth))) > 2  # ragged exits
   _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
+
+
+def test_uncompacted_waiting_rows_equal_default_engine():
+  """compact=False with wait_rows > 1 (the benchmark baseline) must give the default
+  engine's tokens and depths: waiting rows must not rewrite their core cache slot."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  cfg, eps_B, out = _two_tiers(mdl, rng, 'kl', 'kl')
+  prompts, plen = jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32)
+  def fn(p, e, n):
+    st, _, e = serving.start(mdl, p, N, cfg, rng, eps_B=e, prompt_len_B=n)
+    return serving.run(mdl, st, cfg, rng, e, compact=False, wait_rows=len(PROMPTS))
+  got = jax.jit(fn)(prompts, eps_B, plen)
+  np.testing.assert_array_equal(np.asarray(got.depth), np.asarray(out.depth))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(out.tokens))
+
+
+def test_serving_gated_kl_rows_equal_their_own_generation():
+  """policy gated_kl in the serving engine (untested there): each row's tokens and
+  depths equal decoding.generate of that row alone (whose gate decoding_test checks against
+  the float64 brute force), at a gate that binds."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(5))
+  rng = jax.random.key(0)
+  prompts = jnp.asarray(PROMPTS, jnp.int32)
+  tr = inference.score(mdl, prompts, config.ExitConfig(policy='uniform', depth=R), rng,
+                       trace=True).traces
+  eps_lo, eps_hi = _eps_between(list(np.asarray(tr['kl'])))
+  gate = float(np.median(np.asarray(tr['delta'])[1:]))
+  cfg = config.ExitConfig(policy='gated_kl', eps=eps_hi, max_loops=R, min_loops=2, gate=gate)
+  eps_B = jnp.asarray([eps_hi, eps_lo, eps_hi], jnp.float32)
+  out = jax.jit(lambda p, e, n: serving.generate(mdl, p, N, cfg, rng, eps_B=e,
+                                                  prompt_len_B=n))(
+      prompts, eps_B, jnp.asarray(PLEN, jnp.int32))
+  assert len(np.unique(np.asarray(out.depth))) > 1
+  _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
