@@ -250,3 +250,33 @@ def test_short_error_keeps_the_first_line_and_the_root_cause():
                  ' (cause: ValueError: OUT_OF_RANGE: Error reading "params.w/0.0": Requested '
                  'byte range [10, 20) is not valid for value of size 15)')
   assert checkpoint._short(ValueError('x\ny')) == 'ValueError: x'  # pylint: disable=protected-access
+
+
+def test_latest_meta_is_the_newest_readable_checkpoints(workdir):
+  """The settings --resume checks before compiling are the newest checkpoint's (max step),
+  or the next older one when the newest's metadata does not read."""
+  mngr = checkpoint.manager(workdir)
+  checkpoint.save(mngr, 3, make_state(3), dict(meta(), data_iter={'i': 3}))
+  checkpoint.wait(mngr)
+  steps = list(mngr.all_steps())
+  step, m = checkpoint.latest_meta(mngr)
+  assert step == max(steps) == 3 and m['data_iter'] == {'i': 3}
+  corrupt(workdir, 3, 'meta')
+  step, m = checkpoint.latest_meta(checkpoint.manager(workdir))
+  assert step == 2 and m['data_iter'] == {'i': 1}
+
+
+def test_a_field_the_checkpoint_lacks_is_compared_as_its_default_not_as_the_current_value():
+  """A checkpoint written before data.synth_curriculum existed ran with its default (0);
+  resuming with a curriculum changes the stream and must be named."""
+  cfg = config_lib.Config()
+  saved = json.loads(json.dumps(dataclasses.asdict(cfg)))
+  del saved['data']['synth_curriculum']
+  del saved['train']['tokens_per_step']
+  now = dataclasses.replace(
+      cfg, data=dataclasses.replace(cfg.data, synth_curriculum=5),
+      train=dataclasses.replace(cfg.train, tokens_per_step=4 * cfg.train.batch_size
+                                * cfg.train.seq_len))
+  got = checkpoint.changed_stream_settings(saved, now)
+  assert got == ['data.synth_curriculum: checkpoint=0 vs config=5',
+                 f'train.tokens_per_step: checkpoint=0 vs config={now.train.tokens_per_step}']

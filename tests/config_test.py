@@ -174,3 +174,23 @@ def test_check_exit_refuses_what_the_engines_cannot_honour():
     with pytest.raises(config_lib.ConfigError, match=words):
       config_lib.check_exit(E(**kw))
   jax.jit(lambda eps: config_lib.check_exit(E(eps=eps)) or eps)(jnp.float32(0.1))  # traced: skipped
+
+
+def test_seq_len_equal_to_max_len_is_accepted_and_one_more_is_not():
+  """The model has positions 0..max_len-1, so a sequence of exactly max_len tokens fits."""
+  max_len = config_lib.ModelConfig().max_len
+  config_lib.validate(with_value('train.seq_len', max_len))
+  with pytest.raises(config_lib.ConfigError, match=f'train.seq_len={max_len + 1}'):
+    config_lib.validate(with_value('train.seq_len', max_len + 1))
+
+
+@pytest.mark.parametrize('batch,seq,accum', [(1, 16, 3), (4, 8, 2), (16, 128, 1), (3, 5, 7)])
+def test_grad_accum_steps_makes_up_tokens_per_step(batch, seq, accum):
+  """tokens_per_step = accum micro-batches of batch x seq tokens; grad_accum is then ignored
+  (and used as given when tokens_per_step is 0)."""
+  t = config_lib.TrainConfig(batch_size=batch, seq_len=seq, grad_accum=11,
+                             tokens_per_step=accum * batch * seq)
+  config_lib.validate(dataclasses.replace(config_lib.Config(), train=t))
+  got = config_lib.grad_accum_steps(t)
+  assert got == accum and got * batch * seq == t.tokens_per_step
+  assert config_lib.grad_accum_steps(dataclasses.replace(t, tokens_per_step=0)) == 11

@@ -252,3 +252,21 @@ def test_curriculum_order_survives_a_cache_cleared_between_its_steps():
     np.testing.assert_array_equal(cur[n]['inputs'], want[n])
   rng = np.random.default_rng([3, 0, 1])  # the second pass's order, as documented
   assert [int(cur[10 + m]['inputs'][0]) // 4 for m in range(10)] == rng.permutation(10).tolist()
+
+
+def test_windows_are_exactly_the_full_windows_at_every_stream_length():
+  """len(Windows) is the number of full L+1-token windows at stride L (brute force over
+  every stream length, including N = k*L where the last stride has no next token), and
+  every window it admits has L inputs and their L next tokens."""
+  for seq_len in (1, 3, 4, 7):
+    for n in range(0, 4 * seq_len + 3):
+      stream = np.arange(100, 100 + n, dtype=np.int32)
+      w = pipeline.Windows(stream, np.zeros(n, np.int32), seq_len)
+      full = [i for i in range(n) if i * seq_len + seq_len + 1 <= n]  # brute force
+      assert len(w) == len(full), (seq_len, n)
+      for i in range(len(w)):
+        row = w[i]
+        assert row['inputs'].shape == row['targets'].shape == (seq_len,), (seq_len, n, i)
+        np.testing.assert_array_equal(row['targets'], row['inputs'] + 1)
+      with pytest.raises(IndexError):
+        w[len(w)]

@@ -56,3 +56,13 @@ def test_preemption_flags_the_first_signal_and_stops_on_the_second():
     # the second signal restored the previous handlers at once
     assert {s: signal.getsignal(s) for s in before} == before
   assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_drop_jsonl_steps_after_keeps_the_checkpoint_step_and_drops_fragments(tmp_path):
+  p = tmp_path / 'metrics.jsonl'
+  lines = [json.dumps({'step': s, 'x': s}) for s in (1, 2, 3, 3, 4, 5)]
+  p.write_text('\n'.join(lines) + '\n{"step": 6, "x')  # a line cut off by a kill
+  assert lifecycle.drop_jsonl_steps_after(str(p), 3) == 3
+  got = [json.loads(l) for l in p.read_text().splitlines()]
+  assert [r['step'] for r in got] == [1, 2, 3, 3]  # brute force: steps <= 3, whole lines
+  assert lifecycle.drop_jsonl_steps_after(str(p), 3) == 0  # nothing more to drop

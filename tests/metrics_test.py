@@ -1,8 +1,11 @@
 """Progress output (a bar, or plain lines with counts, rate and ETA) and the device peaks of MFU."""
 
+import glob
 import io
 import json
 import os
+import struct
+import time
 
 import pytest
 import tqdm
@@ -82,3 +85,51 @@ def test_peak_flops_matches_whole_device_names(kind, peak):
 
 def test_configured_peak_wins_over_the_device_kind():
   assert metrics.peak_flops(123.0, device_kind='NVIDIA H100 80GB HBM3') == 123.0
+
+
+def _tb_scalars_as_tensorboard_shows_them(tb_dir: str) -> dict:
+  """{(tag, step): value} that TensorBoard displays: event files read in the order they
+  were written, and a SessionLog START at step T purges every earlier event of step >= T
+  (tensorboardX's documented purge_step semantics). TFRecord parsed by hand."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  events = []
+  for path in glob.glob(os.path.join(tb_dir, 'events.out.tfevents.*')):
+    with open(path, 'rb') as f:
+      data = f.read()
+    pos, evs = 0, []
+    while pos < len(data):
+      (n,) = struct.unpack('<Q', data[pos:pos + 8])
+      ev = event_pb2.Event()
+      ev.ParseFromString(data[pos + 12:pos + 12 + n])
+      evs.append(ev)
+      pos += 12 + n + 4
+    events.append(evs)
+  events.sort(key=lambda evs: evs[0].wall_time)  # file by file, in the order written
+  shown = {}
+  for ev in (e for evs in events for e in evs):
+    if ev.HasField('session_log') and ev.session_log.status == ev.session_log.START:
+      shown = {k: v for k, v in shown.items() if k[1] < ev.step}
+    for v in ev.summary.value:
+      shown[(v.tag, ev.step)] = v.simple_value
+  return shown
+
+
+def test_resumed_metric_writer_keeps_the_checkpoint_steps_records_in_both_sinks(tmp_path):
+  """A run logs steps 1..5 and is killed; it resumes from the checkpoint of step 3 and logs
+  4 and 5 again: JSONL and TensorBoard each show steps 1..5 once, step 3 from the first
+  session (it precedes the checkpoint) and 4, 5 from the second."""
+  wd = str(tmp_path)
+  w = metrics.MetricWriter(wd)
+  for s in range(1, 6):
+    w.write(s, {'train/loss': float(s)})
+  w.close()
+  time.sleep(1.1)  # tensorboardX names event files by the second: a new file for session 2
+  w = metrics.MetricWriter(wd, resume_step=3)
+  for s in (4, 5):
+    w.write(s, {'train/loss': 10.0 * s})
+  w.close()
+  want = {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0}
+  recs = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'), encoding='utf-8')]
+  assert {r['step']: r['train/loss'] for r in recs} == want and len(recs) == 5
+  shown = _tb_scalars_as_tensorboard_shows_them(os.path.join(wd, 'tb'))
+  assert shown == {('train/loss', s): v for s, v in want.items()}, shown

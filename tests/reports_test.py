@@ -114,3 +114,48 @@ def test_a0_loss_at_equal_flops_is_blank_outside_a0s_flop_range():
   assert rows[0].endswith('| 0.555 |') and rows[1].endswith('| - |'), rows
   del fr['flops_in_a0_range']
   assert '| 0.444 |' in reports.sweep_markdown(res, {})
+
+
+def _table_rows(md: str, header_start: str) -> list[dict]:
+  """Rows of the first markdown table whose header line starts with header_start, as
+  {column: cell} dicts."""
+  lines = md.splitlines()
+  i = next(k for k, l in enumerate(lines) if l.startswith(header_start))
+  cells = lambda l: [c.strip() for c in l.strip().strip('|').split('|')]
+  head, out = cells(lines[i]), []
+  for l in lines[i + 2:]:
+    if not l.startswith('|'):
+      break
+    out.append(dict(zip(head, cells(l), strict=True)))
+  return out
+
+
+def test_convergence_group_table_puts_each_value_under_its_header():
+  dist = dict(mean=3.7, median=3.0, p90=5.0, share_changing_after_ref=0.08)
+  group = dict(count=11, mean=2.5, median=2.0, p90=4.0, share_changing_after_ref=0.125,
+               kl_depth_median=3.5, loss_ref=1.25, loss_final=0.75)
+  res = dict(r_max=6, ref_depth=5, eps_conv=1e-3, tokens=100,
+             per_loop=dict(loop=[1], loss=[2.0], mean_kl=[0.1], mean_rkl=[0.1],
+                           mean_delta=[0.5], mean_argmax_changed=[0.2]),
+             argmax_depth=dist, kl_depth=dist, by_hops={'2': group})
+  md = reports.convergence_markdown(res, {})
+  (row,) = _table_rows(md.split('## by_hops')[1], '| group')
+  assert row == {'group': '2', 'tokens': '11', 'mean depth': '2.5', 'median': '2',
+                 'p90': '4', 'share > 5': '0.125', 'KL depth median': '3.5',
+                 'loss @5': '1.25', 'loss @R': '0.75'}
+
+
+def test_sweep_headline_puts_each_value_under_its_header():
+  best = dict(threshold=0.01, mean_loops=4.5, loss=0.625, loop_saving=0.25,
+              flops_saving=0.125, flops_active_saving=0.375, wall_clock={'saving': 0.0625},
+              a0_loss_same_loops=0.6875, gap_same_loops=-0.0625, gap_same_loops_interval=None)
+  res = {'tokens': 10, 'r_max': 8, 'ref_depth': 6.0, 'delta': 0.01, 'curves': {},
+         'headline': {'kl': {'best': best, 'ref_loss': 0.5625, 'frontier': {},
+                             'uniform_depth_within_delta': 5}}}
+  (row,) = _table_rows(reports.sweep_markdown(res, {}), '| policy')
+  assert row == {
+      'policy': 'kl', 'A0 loss @ref': '0.5625', 'eps': '0.01', 'mean loops': '4.5',
+      'loss': '0.625', 'loop saving': '0.25', 'FLOP saving (engine as run)': '0.125',
+      'FLOP saving (active tokens, executed)': '0.375', 'wall-clock saving (same run)': '0.0625',
+      'A0 loss @same loops': '0.6875', 'gap': '-0.0625', 'gap: bootstrap interval': '-',
+      'min uniform depth within delta': '5'}
