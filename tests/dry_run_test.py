@@ -7,17 +7,18 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_depth import distributed, dry_run, model as model_lib, policies
+from elastic_depth import distributed, dry_run, model as model_lib, policies, train
 from pretrain_errors_test import TINY, tiny_config
 
-pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 def test_dry_run_compiles_reports_memory_and_trains_nothing(tmp_path):
   wd = tmp_path / 'wd'
   out = subprocess.run([sys.executable, '-m', 'experiments.pretrain', f'--workdir={wd}',
@@ -47,6 +48,7 @@ def test_dry_run_compiles_reports_memory_and_trains_nothing(tmp_path):
       p['hours_one_device']['H200'] * (60 if hours.group(2) == 'min' else 1), abs=0.051)
 
 
+@pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 def test_dry_run_still_refuses_bad_input(tmp_path):
   out = subprocess.run([sys.executable, '-m', 'experiments.pretrain',
                         f'--workdir={tmp_path / "wd"}', *TINY, '--dry_run',
@@ -56,6 +58,7 @@ def test_dry_run_still_refuses_bad_input(tmp_path):
   assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 def test_memory_grows_with_the_batch_and_the_plan_counts_flops():
   cfg = tiny_config()
   mesh = distributed.make_mesh(jax.devices()[:1])
@@ -76,3 +79,33 @@ def test_memory_grows_with_the_batch_and_the_plan_counts_flops():
   assert p['train_flops_per_token'] == pytest.approx(want, rel=1e-12)
   assert p['hours_one_device']['H200'] == (
       want * tokens * cfg.train.steps / (989e12 * 0.5) / 3600)
+
+
+def test_peak_memory_counts_a_donated_buffer_once():
+  """memory_of's peak against the buffers themselves: a step whose output reuses its
+  donated argument holds one copy (nbytes + temporaries); without donation, two."""
+  x = jnp.ones((256, 1024), jnp.float32)
+  nbytes = x.size * 4
+  f = lambda x: x * 2 + 1
+  donated = dry_run.memory_of(jax.jit(f, donate_argnums=0).lower(x).compile())
+  plain = dry_run.memory_of(jax.jit(f).lower(x).compile())
+  assert donated['alias_size_in_bytes'] == nbytes  # XLA:CPU honours the donation
+  assert donated['peak_bytes'] == nbytes + donated['temp_size_in_bytes']
+  assert plain['peak_bytes'] == 2 * nbytes + plain['temp_size_in_bytes']
+
+
+@pytest.mark.parametrize('accum', [dict(grad_accum=3), dict(tokens_per_step=4 * 4 * 32)])
+def test_plan_counts_every_micro_batch(accum):
+  """With gradient accumulation a step trains A x B x L tokens (A micro-batches), and the
+  total FLOPs and hours follow: reference, the counts multiplied out here."""
+  cfg = tiny_config()
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **accum))
+  a = accum.get('grad_accum') or accum['tokens_per_step'] // (4 * 32)
+  p = dry_run.plan(cfg, mfu=0.5)
+  tokens = a * cfg.train.batch_size * cfg.train.seq_len
+  assert p['tokens_per_step'] == tokens
+  assert p['tokens'] == tokens * cfg.train.steps
+  assert p['total_flops'] == pytest.approx(
+      train.train_flops_per_token(cfg) * tokens * cfg.train.steps, rel=1e-12)
+  assert p['hours_one_device']['H200'] == pytest.approx(
+      p['total_flops'] / (989e12 * 0.5) / 3600, rel=1e-12)

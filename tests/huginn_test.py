@@ -292,3 +292,29 @@ def test_a_workdir_that_holds_anything_or_is_a_file_is_refused_before_converting
   assert (tmp_path / 'wd' / 'tokenizer.json').read_text() == 'mine'
   assert (tmp_path / 'file').read_text() == 'mine too'
   huginn.import_huginn(src, str(tmp_path / 'empty'), r_max=4, log=logs.append)  # new: fine
+
+
+@pytest.mark.parametrize('r_max', [2, 4, 8])
+def test_imported_exit_depth_is_the_training_mean_recurrence_capped_at_r_max(r_max):
+  """The imported config's uniform exit depth is Huginn's mean_recurrence (4 in the
+  fixture's config.json) capped at r_max, like depth.mean; max_loops is r_max."""
+  hf = json.loads((FIXTURE / 'config.json').read_text())
+  mean = int(hf['mean_recurrence'])
+  assert mean == 4
+  cfg = huginn.full_config(hf, r_max=r_max)
+  assert cfg.exit.depth == min(mean, r_max)
+  assert cfg.depth.mean == min(mean, r_max)
+  assert cfg.exit.max_loops == cfg.depth.r_max == r_max
+
+
+def test_a_key_in_two_shards_is_named(tmp_path):
+  """Two shards that both hold a tensor: SourceError naming the key and both shards (the
+  later one would silently replace the earlier one)."""
+  a, b = str(tmp_path / 'a.safetensors'), str(tmp_path / 'b.safetensors')
+  stn.save_file({'x': np.zeros((2, 3), np.float32), 'y': np.ones(4, np.float32)}, a)
+  stn.save_file({'x': np.ones((5,), np.float32)}, b)
+  found = snapshot.scan([a])  # one shard alone is fine
+  assert found == {'x': (a, (2, 3), 'F32'), 'y': (a, (4,), 'F32')}
+  with pytest.raises(snapshot.SourceError, match=r'key x is in two shards: .*a\.safetensors '
+                     r'and .*b\.safetensors'):
+    snapshot.scan([a, b])

@@ -457,3 +457,15 @@ def test_bad_tokens_and_model_configs_are_named_not_computed():
                      (dict(n_core=0), 'n_core=0'), (dict(init_std=float('nan')), 'init_std')]:
     with pytest.raises(config_lib.ConfigError, match=words):
       model_lib.build_model(dataclasses.replace(cfg, **bad))
+
+
+def test_check_tokens_accepts_exactly_max_len_positions():
+  """The bound is inclusive: L == max_len, and L + extra == max_len, are accepted (one
+  position more is refused, as the suite already checks)."""
+  cfg = config_lib.ModelConfig(vocab_size=32, d_model=32, num_heads=2, num_kv_heads=1,
+                               head_dim=16, mlp_dim=64, n_prelude=1, n_core=1, n_coda=1,
+                               max_len=16)
+  model_lib.check_tokens(cfg, np.zeros((2, 16), np.int32))
+  model_lib.check_tokens(cfg, np.zeros((1, 10), np.int32), extra=6)
+  with pytest.raises(ValueError, match='exceed model.max_len=16'):
+    model_lib.check_tokens(cfg, np.zeros((1, 10), np.int32), extra=7)

@@ -185,3 +185,17 @@ def test_frontier_gaps_interpolate_uniform_depth():
   out = oracle.frontier_gaps(pts)
   assert out[3]['uniform_loss'] == pytest.approx(0.3) and out[3]['gap'] == pytest.approx(-0.1)
   assert out[4]['gap'] is None and out[0]['gap'] == 0
+
+
+def test_difficulty_depths_are_clipped_to_at_least_one_loop():
+  """difficulty:C,B with a negative offset: k + C below 1 is clipped up to 1 (no token runs
+  zero loops), above r_max down to r_max; the rest run B. Reference: the rule by hand."""
+  ans = np.array([[1, 1, 0, 1, 1]])
+  k = np.array([[1, 3, 7, 4, 20]])
+  s = oracle.parse('difficulty:-3,2')
+  r_max = 8
+  want = [[max(1, min(r_max, kk - 3)) if a else 2 for a, kk in zip(ans[0], k[0])]]
+  assert want == [[1, 1, 2, 1, 8]]
+  got = oracle.given_depths(s, ans, k, r_max)
+  np.testing.assert_array_equal(got, want)
+  assert got.min() >= 1

@@ -311,3 +311,22 @@ def test_early_exit_all_inactive_runs_nothing():
   assert int(out.loops) == 0
   np.testing.assert_array_equal(np.asarray(out.depth), 0)
   np.testing.assert_array_equal(np.asarray(out.state), s0)
+
+
+@pytest.mark.parametrize('order', ['padding_first', 'padding_last'])
+def test_scatter_rows_drops_out_of_range_slots(order):
+  """scatter_rows' contract: padding slots (index >= L) write nothing. Reference: a numpy
+  loop that skips them. (With mode='clip' they land on position L - 1.)"""
+  b, l, d = 2, 5, 3
+  x = np.arange(b * l * d, dtype=np.float32).reshape(b, l, d)
+  idx = np.array([[l, 1, 3], [l, l, 0]]) if order == 'padding_first' else \
+      np.array([[1, 3, l], [0, l, l]])
+  y = -1.0 - np.arange(b * 3 * d, dtype=np.float32).reshape(b, 3, d)
+  want = x.copy()
+  for r in range(b):
+    for c in range(idx.shape[1]):
+      if idx[r, c] < l:
+        want[r, idx[r, c]] = y[r, c]
+  got = recurrence.scatter_rows(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(y))
+  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(got)[:, l - 1], x[:, l - 1])  # untouched
