@@ -10,11 +10,13 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import types
 
+import numpy as np
 import pytest
 
-from elastic_depth import books, config as config_lib, model as model_lib
+from elastic_depth import books, config as config_lib, model as model_lib, timing
 from experiments import bench_util
 from experiments import host_setup
 
@@ -407,3 +409,98 @@ def test_bench_flags_out_of_range_are_one_line_before_any_work(main_cases, i):
   assert res['rc'] == 2 and res['stderr'].startswith('error:'), res['stderr'][-3000:]
   assert words in res['stderr'] and len(res['stderr'].strip().splitlines()) == 1, res['stderr']
   assert res['files'] == []
+
+
+def _py(code: str):
+  """Runs code in a fresh interpreter at the repository root; returns json of its last line."""
+  proc = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=REPO,
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_exit_ratios_are_medians_and_wall_over_flop_savings():
+  """bench_exit._ratio / paired_saving against a hand count (float64 numpy)."""
+  got = _py('''
+    import json
+    from experiments import bench_exit
+    t = {'v': [1.0, 3.0, 2.0], 'b': [4.0, 4.0, 4.0]}
+    f = {'v': 25.0, 'b': 100.0}
+    r = bench_exit._ratio(t, f, 'v', 'b')
+    none = bench_exit._ratio(t, {'v': 100.0, 'b': 100.0}, 'v', 'b')
+    paired = bench_exit.paired_saving([1.0, 1.0, 1.0], [2.0, 2.0, 10.0])
+    print(json.dumps(dict(r=r, none=none, paired=paired)))
+  ''')
+  v, b = np.array([1.0, 3.0, 2.0]), np.array([4.0, 4.0, 4.0])
+  wall = 1 - np.median(v) / np.median(b)          # 0.5
+  wall_min = 1 - v.min() / b.min()                # 0.75
+  pair = np.median(1 - v / b)                     # median(0.75, 0.25, 0.5) = 0.5
+  flop = 1 - 25.0 / 100.0                         # 0.75
+  r = got['r']
+  assert r['wall_saving'] == pytest.approx(wall)
+  assert r['wall_saving_min'] == pytest.approx(wall_min)
+  assert r['wall_saving_paired'] == pytest.approx(pair)
+  assert r['flop_saving'] == pytest.approx(flop)
+  assert r['realized_over_flop'] == pytest.approx(wall / flop)       # 2/3, not 3/2
+  assert r['realized_over_flop_min'] == pytest.approx(wall_min / flop)
+  assert r['realized_over_flop_paired'] == pytest.approx(pair / flop)
+  # no FLOP saving: no ratio rather than a division by ~0
+  assert got['none']['realized_over_flop'] is None
+  # the paired saving is the median over rounds (0.5), not the mean (0.633)
+  assert got['paired'] == pytest.approx(np.median(1 - np.array([1.0, 1, 1]) / [2.0, 2, 10]))
+
+
+def test_bench_exit_matched_eps_is_the_fewest_loops_within_tol():
+  """bench_exit.matched_eps on a fixed curve: brute force over the grid."""
+  thr, loops = [1e-3, 1e-2, 1e-1, 3e-1], [4.0, 3.0, 3.0, 2.0]
+  got = _py(f'''
+    import json
+    from experiments import bench_exit
+    def curve(mdl, batches, rng, c, depth):
+      if c.policy == 'uniform':
+        return {{'loss': [2.0]}}
+      return {{'threshold': {thr}, 'loss': [2.0, 2.005, 2.004, 2.5], 'mean_loops': {loops}}}
+    bench_exit.frontier.policy_curve = curve
+    print(json.dumps(bench_exit.matched_eps(None, [], 4, 'kl', {thr}, tol=0.01)))
+  ''')
+  loss = [2.0, 2.005, 2.004, 2.5]
+  ok = [i for i in range(len(thr)) if loss[i] <= 2.0 + 0.01]
+  want = sorted(ok, key=lambda i: (loops[i], loss[i]))[0]  # fewest loops, then lower loss
+  assert want == 2
+  assert got['eps'] == thr[want] and got['mean_loops'] == loops[want]
+  assert got['loss'] == loss[want] and got['a0_loss'] == 2.0
+
+
+def test_bench_generate_batch_row_savings_and_realized_over_loop():
+  """bench_generate_batch._row: loop and time savings against A0 and their ratio."""
+  got = _py('''
+    import json
+    from experiments import bench_generate_batch as g
+    a0 = g._row(12, 4.0, [8, 8, 8])
+    a1 = g._row(12, 2.0, [2, 2, 4], a0)
+    deeper = g._row(12, 2.0, [8, 8, 9], a0)
+    print(json.dumps(dict(a0=a0, a1=a1, deeper=deeper)))
+  ''')
+  a1 = got['a1']
+  loop = 1 - np.mean([2, 2, 4]) / 8.0   # 2/3
+  time_ = 1 - 2.0 / 4.0                 # 1/2
+  assert got['a0']['tokens_per_s'] == 3.0 and a1['tokens_per_s'] == 6.0
+  assert a1['loop_saving'] == pytest.approx(loop)
+  assert a1['time_saving'] == pytest.approx(time_)
+  assert a1['realized_over_loop'] == pytest.approx(time_ / loop)  # 0.75, not 1.33
+  assert got['deeper']['realized_over_loop'] is None  # no loop saving: no ratio
+
+
+def test_paired_remainder_gives_no_figure_at_zero():
+  """A median remainder of exactly 0 is noise, not a decode phase: None (rest > 0)."""
+  assert bench_util.paired_remainder([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) is None
+  assert bench_util.paired_remainder([1.0, 2.0, 3.0], [0.5, 2.0, 3.5]) is None  # median 0
+
+
+def test_usage_fields_are_medians_of_the_calls():
+  calls = [timing.Usage(1.0, 0.0, 10), timing.Usage(2.0, 0.5, 10), timing.Usage(9.0, 0.1, 1000)]
+  out = bench_util.usage_fields(calls)
+  assert out['user_s_median'] == np.median([1.0, 2.0, 9.0]) == 2.0
+  assert out['sys_s_median'] == 0.1 and out['minor_faults_median'] == 10
+  assert out['minor_faults_per_call'] == [10, 10, 1000]
+  assert 'user_s_per_call' not in bench_util.usage_fields(calls, per_call=False)

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ from conftest import built_once, nll_np
 from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, frontier, train
 from elastic_depth.data import synthetic
 from elastic_depth import books, kl_probe, model as model_lib, oracle, policies, router as router_lib
-from experiments import (calibrate_eps, common, convergence, depth_oracle, eval_depth, sweep_eps,
-                         train_router)
+from experiments import (bench_generate_quality, calibrate_eps, common, convergence, depth_oracle,
+                         eval_depth, flags_util, sweep_eps, train_router)
+from elastic_depth.config import ExitPolicy
 from experiments import difficulty as difficulty_main
 
 pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
@@ -728,3 +730,69 @@ def test_a_calibrated_eps_is_starred_only_where_it_was_certified(workdir):
     report(**kw)
     with pytest.raises(common.SetupError, match=words):
       sweep_eps._calibrated(opts, ld)
+
+
+def _uniform_losses(by_depth):
+  """A quality function: uniform depth d -> by_depth[d]; exit eps -> by_eps[eps]."""
+  def make(by_eps):
+    def loss(policy, eps, depth, prefill_depth=None):
+      if policy == ExitPolicy.UNIFORM:
+        return by_depth[depth]
+      return by_eps[eps]
+    return loss
+  return make
+
+
+def test_cheapest_uniform_takes_a_depth_exactly_at_the_tolerance():
+  """Within tol means <= a0 + tol: a depth at exactly a0 + tol matches (brute force)."""
+  by_depth = {1: 3.0, 2: 2.5, 3: 2.25, 4: 2.0}
+  loss = _uniform_losses(by_depth)({})
+  want = min(d for d in range(1, 5) if by_depth[d] <= by_depth[4] + 0.5)
+  assert want == 2
+  got = bench_generate_quality.cheapest_uniform(loss, 4, 2.0, 0.5)
+  assert got['match_depth'] == want and got['match_loss'] == 2.5
+  none = bench_generate_quality.cheapest_uniform(loss, 4, 2.0, 0.1)
+  assert none['match_depth'] == 4 and none['match_loss'] == 2.0
+
+
+def test_matched_eps_is_the_most_aggressive_within_tol_else_the_safest():
+  by_depth = {1: 3.0, 2: 2.5, 3: 2.25, 4: 2.0}
+  grid = [1e-3, 1e-1, 1e-2]  # any order
+  # two thresholds within tol: the larger (most aggressive) one
+  by_eps = {1e-1: 2.5, 1e-2: 2.005, 1e-3: 2.001}
+  got = bench_generate_quality.matched(_uniform_losses(by_depth)(by_eps), 4, 8, 'kl', grid, 0.01)
+  want = max(e for e in grid if by_eps[e] <= 2.0 + 0.01)
+  assert got['eps'] == want == 1e-2 and got['matched'] is True
+  assert got['a1_loss'] == 2.005 and got['a0_loss'] == 2.0
+  # none within tol: the smallest eps of the grid (closest to full depth), flagged unmatched
+  by_eps = {1e-1: 2.5, 1e-2: 2.3, 1e-3: 2.2}
+  got = bench_generate_quality.matched(_uniform_losses(by_depth)(by_eps), 4, 8, 'kl', grid, 0.01)
+  assert got['eps'] == min(grid) and got['matched'] is False and got['a1_loss'] == 2.2
+
+
+def test_check_reaches_mean_allows_a_cap_equal_to_the_training_mean():
+  cfg = config_lib.Config(depth=config_lib.DepthConfig(mean=2.0, r_max=4, buckets=(1, 2, 4)))
+  ld = types.SimpleNamespace(cfg=cfg, r_max=2)
+  common.check_reaches_mean(ld, 'x')  # r_max == mean: reached
+  with pytest.raises(common.SetupError, match='below the training mean depth 2'):
+    common.check_reaches_mean(types.SimpleNamespace(cfg=cfg, r_max=1), 'x')
+  # r_max clips the draws: the mean training ran at is r_max, min(mean, r_max)
+  clipped = config_lib.Config(depth=config_lib.DepthConfig(mean=6.0, r_max=4, buckets=(1, 2, 4)))
+  assert common.train_mean(clipped) == 4
+  common.check_reaches_mean(types.SimpleNamespace(cfg=clipped, r_max=4), 'x')
+
+
+def test_calibration_split_must_leave_a_held_out_batch():
+  x = calibrate_eps.CalibrateOptions()
+  assert calibrate_eps.check(x, 4) == 2 and calibrate_eps.check(x, 3) == 1
+  assert calibrate_eps.check(calibrate_eps.CalibrateOptions(cal_batches=3), 4) == 3
+  for n_cal, n in ((4, 4), (5, 4), (0, 1)):
+    with pytest.raises(common.SetupError, match='held out'):
+      calibrate_eps.check(calibrate_eps.CalibrateOptions(cal_batches=n_cal), n)
+
+
+def test_float_flags_accept_their_lower_bound():
+  """eps = 0 (every check exits at once) is a valid grid point: lower is inclusive."""
+  assert flags_util.floats(['0', '1e-3'], 'eps_grid', ValueError, lower=0.0) == [0.0, 1e-3]
+  with pytest.raises(ValueError, match='>= 0'):
+    flags_util.floats(['-1e-9'], 'eps_grid', ValueError, lower=0.0)
