@@ -82,15 +82,8 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
     assert int(m['depth']) == int(r) and depth == cfg.depth.buckets[int(idx)]
     assert float(m['tokens']) == host['mask'].sum()
     # Forward at that depth, a Python loop, from the same initial-state key.
-    mdl = model_lib.bind(graphdef, jax.tree.map(jnp.asarray, params))
-    tokens = jnp.asarray(host['inputs'])
-    pos = model_lib.positions(tokens)
-    e, _ = mdl.encode(tokens, pos)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(seed_key, 0x1a17), step), 0)  # micro 0
-    s, inj = mdl.initial_state(e, key, pos), mdl.inject(e)
-    for _ in range(depth):
-      s, _ = mdl.core_step(s, inj, pos)
-    logits = mdl.logits(mdl.decode_state(s, pos)[0])
+    logits = _python_loop_logits(jax.tree.map(jnp.asarray, params), graphdef, host, key, depth)
     want = np_masked_nll(logits, host['targets'], host['mask'])
     assert float(m['loss']) == pytest.approx(want, rel=2e-5)
     if step < 2:  # the gradient of that mean, and the AdamW update it makes
@@ -104,8 +97,8 @@ def test_loss_equals_independent_recomputation(setup, mesh, make_batch):
   assert len(seen) >= 2
 
 
-def _python_loop_loss(params, graphdef, host, key, depth):
-  """The masked mean NLL at a fixed depth, by a Python loop over core steps."""
+def _python_loop_logits(params, graphdef, host, key, depth):
+  """The logits at a fixed depth, by a Python loop over core steps."""
   mdl = model_lib.bind(graphdef, params)
   tokens = jnp.asarray(host['inputs'])
   pos = model_lib.positions(tokens)
@@ -113,7 +106,13 @@ def _python_loop_loss(params, graphdef, host, key, depth):
   s, inj = mdl.initial_state(e, key, pos), mdl.inject(e)
   for _ in range(depth):
     s, _ = mdl.core_step(s, inj, pos)
-  logp = jax.nn.log_softmax(mdl.logits(mdl.decode_state(s, pos)[0]).astype(jnp.float32), -1)
+  return mdl.logits(mdl.decode_state(s, pos)[0])
+
+
+def _python_loop_loss(params, graphdef, host, key, depth):
+  """The masked mean NLL of _python_loop_logits (differentiable: jax.grad's reference)."""
+  logits = _python_loop_logits(params, graphdef, host, key, depth)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
   nll = -jnp.take_along_axis(logp, jnp.asarray(host['targets'])[..., None], -1)[..., 0]
   mask = jnp.asarray(host['mask'], jnp.float32)
   return jnp.sum(nll * mask) / jnp.sum(mask)
