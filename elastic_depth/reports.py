@@ -59,18 +59,24 @@ def write(workdir: str, name: str, results: dict, *, flags: dict, checkpoint: di
   return paths
 
 
-def read_results(path: str, keys: tuple = ()) -> dict:
-  """The `results` of a report JSON that `write` made, holding `keys`; ValueError naming
-  the file when it is cut off or another kind of report."""
+def read_report(path: str, keys: tuple = ()) -> dict:
+  """The whole record of a report JSON that `write` made, its `results` holding `keys`;
+  ValueError naming the file when it is cut off or another kind of report."""
   try:
     with open(path, encoding='utf-8') as f:
-      results = json.load(f)['results']
+      record = json.load(f)
+    results = record['results']
     missing = [k for k in keys if k not in results]
   except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
     raise ValueError(f'{path} is not a readable report ({type(e).__name__}: {e})') from None
   if missing:
     raise ValueError(f'{path} is a report without {missing}')
-  return results
+  return record
+
+
+def read_results(path: str, keys: tuple = ()) -> dict:
+  """The `results` of a report JSON that `write` made (see `read_report`)."""
+  return read_report(path, keys)['results']
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:

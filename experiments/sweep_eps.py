@@ -176,9 +176,8 @@ def _calibrated(opts: common.Options, ld: common.Loaded) -> dict:
   if not os.path.exists(path):
     return {}
   try:
-    eps = reports.read_results(path, ('eps',))['eps']
-    with open(path, encoding='utf-8') as f:
-      rec = json.load(f)
+    rec = reports.read_report(path, ('eps',))
+    eps = rec['results']['eps']
     was = {'step': rec['checkpoint']['step'], 'max depth': rec['flags']['r_max'],
            'data': rec['checkpoint']['data_config']}
   except (ValueError, KeyError, TypeError) as e:

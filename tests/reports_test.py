@@ -65,6 +65,19 @@ def test_read_results_returns_what_write_wrote_and_names_a_bad_file(tmp_path):
     reports.read_results(str(tmp_path / 'other.json'))
 
 
+def test_read_report_returns_the_whole_record_and_checks_its_results(tmp_path):
+  paths = reports.write(str(tmp_path), 'r', {'eps': 0.1}, flags={'r_max': 6},
+                        checkpoint={'step': 3}, markdown='')
+  rec = reports.read_report(paths['json'], ('eps',))
+  assert (rec['results'], rec['flags'], rec['checkpoint']) == ({'eps': 0.1}, {'r_max': 6},
+                                                                {'step': 3})
+  with pytest.raises(ValueError, match=r"is a report without \['depths'\]"):
+    reports.read_report(paths['json'], ('depths',))
+  (tmp_path / 'flat.json').write_text('{"eps": 0.1}')
+  with pytest.raises(ValueError, match='flat.json is not a readable report .KeyError'):
+    reports.read_report(str(tmp_path / 'flat.json'))
+
+
 def test_convergence_markdown_says_how_many_tokens_never_converged():
   """Tokens whose KL never falls below eps_conv within R loops count at depth R + 1 in the
   KL row's mean and shares; the text says so and how many (it was only in the JSON)."""

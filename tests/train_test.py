@@ -400,3 +400,21 @@ def test_a_preempted_resume_keeps_the_last_validation_in_the_summary(tmp_path, m
   assert summary['preempted_at'] == saved['preempted_at'] == 5
   assert saved['step'] == 4 and saved['val_loss'] == done['val_loss']
   assert saved['last_step'] == 5
+
+
+def test_the_logged_lr_under_nan_skips_is_the_one_applied(tmp_path, make_config):
+  """A skipped step leaves the optimizer's schedule count behind, so step s applies
+  schedule(s - 1 - steps skipped before it), and that is the lr logged."""
+  cfg = make_config(train=dict(steps=8, log_every=1, eval_every=100, ckpt_every=100,
+                               eval_batches=1, eval_depths=(1,), lr=1e30, warmup_steps=4,
+                               nan_policy='skip', max_skips=100))
+  train_lib.run(cfg, str(tmp_path), quiet=True)
+  recs = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  recs = [r for r in recs if 'train/lr' in r]
+  assert [r['step'] for r in recs] == list(range(1, 9))
+  skipped = [r['train/skipped'] for r in recs]
+  assert 0 < skipped[-1] < 7, skipped  # some steps ran, later ones were skipped
+  sched, before = train_lib.lr_schedule(cfg), 0
+  for r in recs:
+    assert r['train/lr'] == pytest.approx(float(sched(r['step'] - 1 - before)), rel=1e-6)
+    before = r['train/skipped']
