@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from elastic_depth import distributed, metrics, train
+from elastic_depth import distributed, metrics, train, train_step
 from elastic_depth import model as model_lib
 from elastic_depth.config import Config, grad_accum_steps
 
@@ -33,10 +33,10 @@ def abstract_batch(cfg: Config, mesh) -> dict:
 
 def compile_abstract(cfg: Config, mesh):
   """The train step compiled against abstract state and batch (nothing allocated)."""
-  graphdef, state = jax.eval_shape(lambda: train.init_state(cfg, cfg.train.seed))
+  graphdef, state = jax.eval_shape(lambda: train_step.init_state(cfg, cfg.train.seed))
   state = distributed.abstract_like(
       state, distributed.state_shardings(state, mesh, cfg.train))
-  step = train.make_train_step(graphdef, cfg, mesh)
+  step = train_step.make_train_step(graphdef, cfg, mesh)
   return step.lower(state, abstract_batch(cfg, mesh)).compile()
 
 
@@ -64,7 +64,7 @@ def plan(cfg: Config, mfu: float = 0.30) -> dict:
   """Parameters, FLOPs, tokens and the run time on named accelerators at `mfu`."""
   t = cfg.train
   tokens_step = grad_accum_steps(t) * t.batch_size * t.seq_len
-  flops_tok = train.train_flops_per_token(cfg)
+  flops_tok = train_step.train_flops_per_token(cfg)
   total = flops_tok * tokens_step * t.steps
   hours = {name: total / (metrics.peak_flops(device_kind=name) * mfu) / 3600
            for name in ACCELERATORS}

@@ -290,7 +290,7 @@ def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 0,
     shapes, tokenizer, workdir) runs before any tensor is read; otherwise
     snapshot.SourceError (HuginnError for Huginn-specific problems).
   """
-  from elastic_depth import checkpoint, model, train  # pylint: disable=g-import-not-at-top
+  from elastic_depth import checkpoint, model, train_step  # pylint: disable=g-import-not-at-top
   snap, files = snapshot.resolve_source(src)
   cfg = full_config(snapshot.read_hf_config(snap), r_max, seq_len, batch_size, dtype)
   found = snapshot.scan(files)
@@ -303,18 +303,18 @@ def import_huginn(src: str, workdir: str, *, r_max: int = 32, seq_len: int = 0,
   os.makedirs(workdir, exist_ok=True)
   if tok_path:
     shutil.copyfile(tok_path, os.path.join(workdir, TOKENIZER_FILE))
-  meta = {'config': train.config_dict(cfg), checkpoint.WEIGHTS_ONLY: True,
+  meta = {'config': train_step.config_dict(cfg), checkpoint.WEIGHTS_ONLY: True,
           'source': f'huginn import of {os.path.abspath(snap)}'}
   if tok is not None:
     meta['tokenizer'] = checkpoint.tokenizer_info(tok)
   mngr = checkpoint.manager(workdir, keep=1, async_save=False)
   try:
-    checkpoint.save(mngr, 0, train.TrainState(np.int32(0), params, None), meta, force=True)
+    checkpoint.save(mngr, 0, train_step.TrainState(np.int32(0), params, None), meta, force=True)
     checkpoint.wait(mngr)
   finally:
     mngr.close()
   with open(os.path.join(workdir, CONFIG_FILE), 'w', encoding='utf-8') as f:
-    json.dump(train.config_dict(cfg), f, indent=1)
+    json.dump(train_step.config_dict(cfg), f, indent=1)
   summary = {'source': os.path.abspath(snap), 'shards': len(files), 'tensors': len(found),
              'params': model.count_params(cfg.model),
              'tokenizer': meta.get('tokenizer'), 'workdir': os.path.abspath(workdir)}

@@ -26,7 +26,7 @@ import time
 from absl import app, flags
 
 from experiments import bench_util, flags_util
-from elastic_depth import config as config_lib, train as train_lib
+from elastic_depth import config as config_lib, train_step
 from elastic_depth.config import DataConfig
 from elastic_depth.data import DataError, pipeline, shards, sources, tokenizer as tokenizer_lib
 
@@ -144,11 +144,11 @@ def bench_input(directory: pathlib.Path, cfg, vocab_size: int) -> dict:
 
 def step_demand(cfg) -> dict:
   """Tokens/s the training step consumes at --mfu of --peak_tflops, and the arithmetic."""
-  train_flops = train_lib.train_flops_per_token(cfg)
+  train_flops = train_step.train_flops_per_token(cfg)
   tokens_per_s = _MFU.value * _PEAK.value * 1e12 / train_flops
   return {'train_flops_per_token': train_flops, 'mean_depth': cfg.depth.mean,
           'peak_tflops': _PEAK.value, 'mfu': _MFU.value, 'tokens_per_s': tokens_per_s,
-          'formula': 'mfu * peak / train.train_flops_per_token(config) (the forward at the '
+          'formula': 'mfu * peak / train_step.train_flops_per_token(config) (the forward at the '
                      'expected drawn loops, the backward at the expected backprop loops)'}
 
 

@@ -5,7 +5,7 @@ Usage: python -m experiments.bench_train [--shapes=tiny,S,P] [--steps=5] [--out=
   [--micro_batch=ROWS] [--unroll=1,8] [--fuse_projections]
   [--reference_dir=DIR --rounds=N]
 
-Per shape it builds the library's own train step (`train.make_train_step`: AdamW,
+Per shape it builds the library's own train step (`train_step.make_train_step`: AdamW,
 clipping, the bucketed-depth switch) with a single depth bucket (r,) so that every
 step runs exactly r loops, times `--steps` steps after `--warmup` untimed ones
 (the first compiles) and reports the median step time as tokens/s, with XLA's

@@ -194,14 +194,14 @@ def load_config(workdir: str) -> Config:
 def load_model(workdir: str, step: Optional[int] = None):
   """(cfg, fp32 model, step, checkpoint meta) from the checkpoint of a workdir."""
   import jax  # pylint: disable=g-import-not-at-top
-  from elastic_depth import checkpoint, train  # pylint: disable=g-import-not-at-top
+  from elastic_depth import checkpoint, train_step  # pylint: disable=g-import-not-at-top
   from elastic_depth import model as model_lib  # pylint: disable=g-import-not-at-top
   cfg = load_config(workdir)
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype='float32'))
   graphdef, _ = model_lib.abstract_params(cfg.model)
   # the checkpoint holds the whole TrainState (its checksum covers all of it): restore
   # against its abstract shape (eval_shape: no optimizer state is allocated)
-  abstract = jax.eval_shape(lambda: train.init_state(cfg)[1])
+  abstract = jax.eval_shape(lambda: train_step.init_state(cfg)[1])
   state, meta = checkpoint.load_state(workdir, abstract, cfg, step)
   return cfg, model_lib.bind(graphdef, state.params), int(state.step), meta
 

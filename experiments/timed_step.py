@@ -10,7 +10,7 @@ from elastic_depth import config as config_lib
 from elastic_depth import distributed
 from elastic_depth import dry_run
 from elastic_depth import model as model_lib
-from elastic_depth import train as train_lib
+from elastic_depth import train_step
 from experiments import bench_util
 
 
@@ -70,11 +70,11 @@ class TimedStep(bench_util.StepTimer):
     mesh = distributed.make_mesh(jax.devices()[:1])
     t0 = time.perf_counter()
     if timed:
-      graphdef, state = train_lib.init_state(cfg, cfg.train.seed)
-      self.state = train_lib.place_state(state, mesh)
+      graphdef, state = train_step.init_state(cfg, cfg.train.seed)
+      self.state = train_step.place_state(state, mesh)
       self.batch = distributed.shard_batch(
           [random_batch(cfg, i) for i in range(self.accum)], mesh, self.accum)
-      step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
+      step_fn = train_step.make_train_step(graphdef, cfg, mesh)
       self.compiled = step_fn.lower(self.state, self.batch).compile()
     else:  # nothing allocated: FLOPs and memory only
       self.compiled = dry_run.compile_abstract(cfg, mesh)
@@ -118,7 +118,7 @@ class TimedStep(bench_util.StepTimer):
         unroll=cfg.depth.unroll, fuse_projections=cfg.model.fuse_projections,
         params=int(model_lib.count_params(cfg.model)), batch_size=cfg.train.batch_size,
         seq_len=cfg.train.seq_len, grad_accum=self.accum, tokens_per_step=tokens,
-        config=train_lib.config_dict(cfg), compile_s=self.compile_s,
+        config=train_step.config_dict(cfg), compile_s=self.compile_s,
         flops_per_token=fl['model'], flops_per_token_forward=fl['forward'],
         flops_per_token_remat_recompute=fl['remat_recompute'],
         flops_per_token_hw=fl['hw'], head_flop_fraction=fl['head_fraction'],

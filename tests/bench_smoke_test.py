@@ -504,3 +504,67 @@ def test_usage_fields_are_medians_of_the_calls():
   assert out['sys_s_median'] == 0.1 and out['minor_faults_median'] == 10
   assert out['minor_faults_per_call'] == [10, 10, 1000]
   assert 'user_s_per_call' not in bench_util.usage_fields(calls, per_call=False)
+
+
+def test_bench_generate_batch_phase_fields_pair_the_rounds_and_weigh_prompt_and_tokens():
+  """bench_generate_batch._phase_fields: decode = median of the per-round call - prefill,
+  savings against A0's phases, and the loop saving over prompt and generated tokens."""
+  got = _py('''
+    import json
+    from absl import flags
+    from experiments import bench_generate, bench_generate_batch as g  # the flags' owner
+    flags.FLAGS(['x', '--prompt_len=4', '--new_tokens=6'])
+    a0 = g._phase_fields(g._row(24, 6.0, [8] * 3), [5.0, 6.0, 7.0], [2.0, 2.0, 2.0], 24,
+                         [6, 6])
+    a1 = g._phase_fields(g._row(24, 3.0, [2, 2, 4], a0), [3.0, 4.0, 5.0], [1.0, 1.5, 1.0],
+                         24, [4, 2], a0)
+    noisy = g._phase_fields(g._row(24, 2.0, [8] * 3), [2.0] * 3, [2.0] * 3, 24, [6, 6])
+    vs_noisy = g._phase_fields(g._row(24, 3.0, [2, 2, 4], noisy), [3.0, 4.0, 5.0],
+                               [1.0, 1.5, 1.0], 24, [4, 2], noisy)
+    print(json.dumps(dict(a0=a0, a1=a1, noisy=noisy, vs_noisy=vs_noisy)))
+  ''')
+  a0, a1 = got['a0'], got['a1']
+  assert got['noisy']['decode_s'] is None  # no decode phase above the noise: no figure
+  assert got['vs_noisy']['decode_time_saving'] is None
+  assert got['vs_noisy']['decode_realized_over_loop'] is None
+  assert a0['decode_s'] == 4.0 and a0['prefill_s'] == 2.0 and a0['decode_tokens_per_s'] == 6
+  assert a1['decode_s'] == 2.5  # median of 2, 2.5, 4: not 4 - 1 (medians subtracted)
+  assert a1['prefill_s'] == 1.0 and a1['prompt_mean_loops'] == 3.0
+  assert a1['decode_time_saving'] == pytest.approx(1 - 2.5 / 4.0)
+  assert a1['prefill_time_saving'] == pytest.approx(1 - 1.0 / 2.0)
+  assert a1['prompt_loop_saving'] == pytest.approx(1 - 3.0 / 6.0)
+  loop = 1 - (8 / 3) / 8
+  assert a1['decode_realized_over_loop'] == pytest.approx((1 - 2.5 / 4.0) / loop)
+  all_tokens = 1 - (3.0 * 4 + (8 / 3) * 6) / (6.0 * 4 + 8.0 * 6)  # prompt 4, new tokens 6
+  assert a1['loop_saving_all_tokens'] == pytest.approx(all_tokens)
+  assert a1['realized_over_loop_all_tokens'] == pytest.approx((1 - 3.0 / 6.0) / all_tokens)
+
+
+def test_bench_generate_batch_flop_fields_are_the_executed_books_and_their_ratios():
+  """bench_generate_batch._flop_fields against model.flops_per_token's parts by hand."""
+  got = _py('''
+    import json
+    from experiments import bench_generate_batch as g
+    from elastic_depth import config, model
+    m = config.ModelConfig(vocab_size=64, d_model=32, num_heads=2, num_kv_heads=1,
+                           head_dim=16, mlp_dim=64, max_len=32)
+    f = model.flops_per_token(m, 0, 2 * 24, core_keys=24)
+    c0 = dict(prelude=1.0, core=8.0, coda=1.0, head=1.0, checks=0.0)
+    c1 = dict(prelude=1.0, core=3.0, coda=2.5, head=2.5, checks=3.0)
+    a0 = g._flop_fields(dict(mean_loops=8.0), c0, m, 24)
+    a1 = g._flop_fields(dict(mean_loops=3.0, loop_saving=1 - 3 / 8, decode_time_saving=0.4),
+                        c1, m, 24, a0)
+    print(json.dumps(dict(a0=a0, a1=a1, f={k: float(v) for k, v in f.items()})))
+  ''')
+  a0, a1, f = got['a0'], got['a1'], got['f']
+  coda = f['coda_head'] - f['head']
+  want0 = f['prelude'] + 8 * f['loop'] + coda + f['head']
+  assert a0['decode_flops'] == pytest.approx(want0, rel=1e-12)
+  assert a1['decode_flops'] > f['prelude'] + 3 * f['loop'] + 2.5 * f['coda_head']  # + checks
+  saving = 1 - a1['decode_flops'] / want0
+  assert a1['decode_flop_saving'] == pytest.approx(saving, rel=1e-12)
+  assert a1['decode_realized_over_flops'] == pytest.approx(0.4 / saving, rel=1e-12)
+  own = 1 - (f['prelude'] + 3 * f['loop'] + coda + f['head']) / want0  # one readout, free check
+  assert a1['own_loops_flop_saving'] == pytest.approx(own, rel=1e-12)
+  assert a1['own_loops_over_loop'] == pytest.approx(own / (1 - 3 / 8), rel=1e-12)
+  assert a1['decode_counts'] == dict(prelude=1.0, core=3.0, coda=2.5, head=2.5, checks=3.0)

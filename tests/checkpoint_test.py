@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from elastic_depth import checkpoint, config as config_lib, train
+from elastic_depth import checkpoint, config as config_lib, train_step
 from elastic_depth.data import SyntheticVocab
 
 MODEL = config_lib.ModelConfig(vocab_size=31, d_model=32)
@@ -31,7 +31,7 @@ def make_state(seed: int):
 
 def meta(model=MODEL, vocab=SyntheticVocab(16)):
   cfg = config_lib.Config(model=model)
-  return {'config': train.config_dict(cfg), 'data_iter': {'i': 1},
+  return {'config': train_step.config_dict(cfg), 'data_iter': {'i': 1},
           'tokenizer': checkpoint.tokenizer_info(vocab)}
 
 

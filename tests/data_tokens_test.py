@@ -159,7 +159,7 @@ def test_loss_on_answers_is_refused_before_the_directory_is_read(tmp_path):
 
 
 def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
-  from elastic_depth import train  # pylint: disable=g-import-not-at-top
+  from elastic_depth import train, train_step  # pylint: disable=g-import-not-at-top
   data = synth_prepared(tmp_path / 's')
   cfg = make_config(model=dict(vocab_size=300), train=dict(
       steps=2, eval_every=2, ckpt_every=2, log_every=1, eval_batches=1, seq_len=16,
@@ -178,13 +178,13 @@ def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
   host = next(pipeline.build(data, seq_len=16, batch_size=cfg.train.batch_size,
                              vocab_size=300).train_iter)
   assert host['inputs'].max() >= 31  # BPE ids beyond the synthetic task's own 31
-  graphdef, state = train.init_state(cfg, cfg.train.seed)
+  graphdef, state = train_step.init_state(cfg, cfg.train.seed)
   mdl = model_lib.bind(graphdef, state.params)
   tokens = jax.numpy.asarray(host['inputs'])
   pos = model_lib.positions(tokens)
   e, _ = mdl.encode(tokens, pos)
   key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
-      jax.random.key(cfg.train.seed), 0x1a17), 0), 0)  # step 0, micro-batch 0 (train_test)
+      jax.random.key(cfg.train.seed), 0x1a17), 0), 0)  # step 0, micro-batch 0 (train_step_test)
   s, _ = mdl.core_step(mdl.initial_state(e, key, pos), mdl.inject(e), pos)
   nll = nll_np(mdl.logits(mdl.decode_state(s, pos)[0]), host['targets'])
   want = float((nll * host['mask']).sum() / host['mask'].sum())

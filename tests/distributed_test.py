@@ -32,7 +32,7 @@ import numpy as np
 
 from conftest import random_batch, tiny_config
 from elastic_depth import distributed
-from elastic_depth import train as train_lib
+from elastic_depth import train_step
 
 # Random initial recurrent state (the default), 2 micro-batches of 4 sequences.
 cfg = tiny_config(train=dict(batch_size=4),
@@ -41,10 +41,10 @@ steps = [[random_batch(cfg, 10 * s + a, mask_frac=0.2) for a in range(2)] for s 
 out = {'device_count': jax.device_count()}
 for name, devices in (('mesh4', jax.devices()), ('mesh1', jax.devices()[:1])):
   mesh = distributed.make_mesh(devices)
-  graphdef, state = train_lib.init_state(cfg, seed=0)
+  graphdef, state = train_step.init_state(cfg, seed=0)
   init = np.concatenate([np.asarray(p).ravel() for p in jax.tree.leaves(state.params)])
-  state = train_lib.place_state(state, mesh)
-  step_fn = train_lib.make_train_step(graphdef, cfg, mesh)
+  state = train_step.place_state(state, mesh)
+  step_fn = train_step.make_train_step(graphdef, cfg, mesh)
   metrics, shards = [], []
   for micro in steps:
     batch = distributed.shard_batch(micro, mesh, 2)

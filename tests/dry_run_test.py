@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_depth import distributed, dry_run, model as model_lib, policies, train
+from elastic_depth import distributed, dry_run, model as model_lib, policies, train_step
 from pretrain_errors_test import TINY, tiny_config
 
 
@@ -72,7 +72,7 @@ def test_memory_grows_with_the_batch_and_the_plan_counts_flops():
   p = dry_run.plan(cfg, mfu=0.5)
   tokens = cfg.train.batch_size * cfg.train.seq_len
   assert p['tokens_per_step'] == tokens and p['params'] == n
-  # the expected executed loops (train_test checks that against the sampler's draws)
+  # the expected executed loops (train_step_test checks that against the sampler's draws)
   probs = policies.bucket_probabilities(cfg.depth)
   loops = probs @ np.asarray(cfg.depth.buckets, np.float64)
   want = 3 * model_lib.flops_per_token(cfg.model, loops, cfg.train.seq_len)['total']
@@ -106,6 +106,6 @@ def test_plan_counts_every_micro_batch(accum):
   assert p['tokens_per_step'] == tokens
   assert p['tokens'] == tokens * cfg.train.steps
   assert p['total_flops'] == pytest.approx(
-      train.train_flops_per_token(cfg) * tokens * cfg.train.steps, rel=1e-12)
+      train_step.train_flops_per_token(cfg) * tokens * cfg.train.steps, rel=1e-12)
   assert p['hours_one_device']['H200'] == pytest.approx(
       p['total_flops'] / (989e12 * 0.5) / 3600, rel=1e-12)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import built_once, nll_np
-from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, frontier, train
+from elastic_depth import calibrate, checkpoint, config as config_lib, decoding, frontier
+from elastic_depth import train, train_step
 from elastic_depth.data import synthetic
 from elastic_depth import books, kl_probe, model as model_lib, oracle, policies, router as router_lib
 from experiments import (bench_generate_quality, calibrate_eps, common, convergence, depth_oracle,
@@ -56,7 +57,7 @@ def _numbers(path):
 
 def test_config_round_trip(make_config):
   cfg = make_config()
-  assert common.config_from_dict(train.config_dict(cfg)) == cfg
+  assert common.config_from_dict(train_step.config_dict(cfg)) == cfg
   assert common.config_from_dict({'depth': {'buckets': [1, 2]}, 'zzz': 1}).depth.buckets == (1, 2)
 
 
@@ -796,3 +797,18 @@ def test_float_flags_accept_their_lower_bound():
   assert flags_util.floats(['0', '1e-3'], 'eps_grid', ValueError, lower=0.0) == [0.0, 1e-3]
   with pytest.raises(ValueError, match='>= 0'):
     flags_util.floats(['-1e-9'], 'eps_grid', ValueError, lower=0.0)
+
+
+def test_eval_depth_reference_depth_is_the_rounded_training_mean(workdir, tmp_path):
+  """ref_depth rounds the training mean (3.6 -> 4), as convergence's and difficulty's do;
+  the fixture's 2.5 cannot tell rounding from truncation."""
+  wd = str(tmp_path / 'mean36')
+  shutil.copytree(workdir, wd)
+  path = os.path.join(wd, 'config.json')
+  with open(path, encoding='utf-8') as f:
+    cfg = json.load(f)
+  cfg['depth']['mean'] = 3.6
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(cfg, f)
+  res = eval_depth.run(_opts(wd))['results']
+  assert res['train_mean'] == 3.6 and res['ref_depth'] == round(3.6) == 4

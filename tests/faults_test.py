@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import built_once
-from elastic_depth import checkpoint, train
+from elastic_depth import checkpoint, train_step
 
 pytestmark = pytest.mark.slow  # the quick loop skips it: pytest -m "not slow"
 
@@ -201,7 +201,7 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
   assert good and good[-1] == bad - 1 and f'last good checkpoint: step {bad - 1}' in err[0]
   assert 'Traceback' not in out.stderr
   cfg = train_cfg_from(wd)
-  _, abstract = train.init_state(cfg)
+  _, abstract = train_step.init_state(cfg)
   state, meta = checkpoint.load_state(wd, abstract, cfg)
   assert int(state.step) == bad - 1 and meta['checksum']
 
@@ -224,13 +224,13 @@ def test_nan_skip_policy_counts_and_stops_after_max_skips(tmp_path):
   assert skipped[-4:] == [1, 2, 3, 4] and recs[-1]['step'] == bad
   # the skipped updates were discarded: the saved states after skips are finite
   cfg = train_cfg_from(wd)
-  _, abstract = train.init_state(cfg)
+  _, abstract = train_step.init_state(cfg)
   state, _ = checkpoint.load_state(wd, abstract, cfg)
   assert int(state.step) > bad - 4  # saved while skipping
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
   # the logged learning rate is the one applied: a skipped step leaves the optimizer's
   # schedule count behind, so step s runs schedule(s - 1 - steps skipped before it)
-  sched, before = train.lr_schedule(cfg), 0
+  sched, before = train_step.lr_schedule(cfg), 0
   for r in (r for r in recs if 'train/lr' in r):
     assert r['train/lr'] == pytest.approx(float(sched(r['step'] - 1 - before)), rel=1e-6)
     before = r['train/skipped']
@@ -274,7 +274,7 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoi
   assert 'the disk is full' in msg and 'step 10, is intact' in msg, msg
   assert steps_on_disk(wd) == [10]
   cfg = train_cfg_from(wd)
-  _, abstract = train.init_state(cfg)
+  _, abstract = train_step.init_state(cfg)
   state, _ = checkpoint.load_state(wd, abstract, cfg)
   assert int(state.step) == 10
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from elastic_depth import checkpoint, config as config_lib, data as data_lib, train
+from elastic_depth import checkpoint, config as config_lib, data as data_lib, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -54,9 +54,9 @@ def trained(tmp_path_factory):
   cfg = tiny_config()
   ds = data_lib.build(cfg.data, seq_len=32, batch_size=4, vocab_size=31, workdir=wd)
   next(ds.train_iter)
-  _, state = train.init_state(cfg)
+  _, state = train_step.init_state(cfg)
   mngr = checkpoint.manager(wd)
-  checkpoint.save(mngr, 2, state, {'config': train.config_dict(cfg),
+  checkpoint.save(mngr, 2, state, {'config': train_step.config_dict(cfg),
                                    'data_iter': ds.train_iter.get_state(),
                                    'tokenizer': checkpoint.tokenizer_info(ds.tokenizer)})
   mngr.wait_until_finished()
@@ -161,6 +161,6 @@ def test_eval_depths_beyond_r_max_are_named_and_the_mean_label_is_true(tmp_path)
   assert f'eval_depth --workdir={wd} --max_depth=8' in out.stdout
   summary = json.loads((wd / 'summary.json').read_text())
   scored = sorted(int(d) for d in summary['val_loss'])
-  assert scored == train.validation_depths(tiny_config()) == [1, 2]
+  assert scored == train_step.validation_depths(tiny_config()) == [1, 2]
   assert 'depth 1 (nearest the training mean 1.5) = ' in out.stdout, out.stdout
   assert '(training mean)' not in out.stdout
