@@ -338,3 +338,30 @@ def test_compacted_coda_passes_with_two_coda_blocks():
   assert len(np.unique(np.asarray(ref.depth))) > 1
   assert float(got.coda_passes) == float(ref.coda_passes)
   assert float(got.head_passes) <= float(ref.head_passes)  # the head is compacted
+
+
+def test_pow2_capacities_against_brute_force():
+  """0 (skip), the powers of two below b, then b: increasing, from 0 to b."""
+  for b in range(1, 40):
+    want = [0] + [2 ** j for j in range(b.bit_length()) if 2 ** j < b] + [b]
+    assert compaction.pow2_capacities(b) == tuple(want), b
+    assert list(compaction.pow2_capacities(b)) == sorted(set(want))
+
+
+@pytest.mark.parametrize('b', [5, 6, 8])
+def test_on_rows_runs_the_smallest_buffer_and_keeps_the_other_rows(b):
+  """on_rows against a Python loop: the pass changes the masked rows only (padding slots
+  and, in a full buffer, the unmasked rows untouched), in the smallest capacity that holds
+  them (0: skip, no run)."""
+  caps = compaction.pow2_capacities(b)
+  x_BxD = jnp.asarray(np.random.default_rng(b).normal(size=(b, 3)), jnp.float32)
+  masks = [np.zeros(b, bool), np.ones(b, bool)] + [
+      np.random.default_rng(100 * b + n).permutation(b) < n for n in range(1, b)]
+  masks += [np.arange(b) < n for n in range(1, b)]  # the last row unmasked
+  run = lambda rows, x: rows.put(x, 10.0 * rows.take(x) + 1.0)
+  skip = lambda x: x
+  for mask in masks:
+    got, cap = compaction.on_rows(jnp.asarray(mask), caps, run, skip, x_BxD)
+    want = np.where(mask[:, None], 10.0 * np.asarray(x_BxD) + 1.0, np.asarray(x_BxD))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    assert int(cap) == min(c for c in caps if c >= mask.sum()), (mask, int(cap))

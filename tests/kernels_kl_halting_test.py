@@ -320,3 +320,28 @@ def test_kernel_with_a_minus_inf_logit_in_p_and_q_is_finite(v_splits):
   np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-5)
   np.testing.assert_array_equal(argmax_N, np.where(want_arg >= 20, want_arg + 1, want_arg))
   np.testing.assert_allclose(lse_N, want_lse, rtol=1e-5)
+
+
+def test_reference_reads_bf16_logits_in_fp32():
+  """bf16 logits: KL and lse computed in fp32, equal to float64 on the bf16 values."""
+  rng = np.random.default_rng(12)
+  a = jnp.asarray(rng.normal(size=(8, 300)) * 3, jnp.bfloat16)
+  b = jnp.asarray(np.asarray(a, np.float64) + 0.5 * rng.normal(size=(8, 300)), jnp.bfloat16)
+  want_kl, want_argmax, want_lse = np_kl_from_logits(to_f64(a), to_f64(b))
+  kl_N, argmax_N, lse_N = klh.reference_kl_from_logits(a, b)
+  assert kl_N.dtype == lse_N.dtype == jnp.float32
+  np.testing.assert_allclose(kl_N, want_kl, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(lse_N, want_lse, rtol=1e-6)
+  np.testing.assert_array_equal(argmax_N, want_argmax)
+
+
+def test_kl_is_never_negative_for_nearly_equal_distributions():
+  """KL >= 0 (documented) where rounding alone decides its sign: q a hair away from p."""
+  rng = np.random.default_rng(13)
+  a = rng.normal(size=(256, 500)) * 4
+  b = a + 1e-6 * rng.normal(size=a.shape)
+  a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  for kl_N, _, _ in (klh.reference_kl_from_logits(a32, b32),
+                     klh.reference_kl_from_logits(b32, a32)):
+    assert np.all(np.asarray(kl_N) >= 0.0)
+    np.testing.assert_allclose(kl_N, 0.0, atol=1e-5)

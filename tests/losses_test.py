@@ -123,3 +123,52 @@ def test_kl_from_logits_is_kl_of_the_new_distribution_from_the_old():
   assert np.all(np.abs(want - reverse) > 0.05)  # a swapped direction cannot pass
   got = losses.kl_from_logits(jnp.asarray(new, jnp.float32), jnp.asarray(old, jnp.float32))
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+def test_kl_from_logits_reads_bf16_logits_in_fp32():
+  """bf16 logits (the compute dtype): KL in fp32 equal to float64 on the bf16 values."""
+  r = np.random.default_rng(5)
+  new = jnp.asarray(r.normal(size=(6, 40)) * 3, jnp.bfloat16)
+  old = jnp.asarray(r.normal(size=(6, 40)) * 3, jnp.bfloat16)
+  a, b = (np.asarray(x.astype(jnp.float32), np.float64) for x in (new, old))
+  la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
+  lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
+  want = np.sum(np.exp(la) * (la - lb), -1)
+  for got in (losses.kl_from_logits(new, old),
+              losses.kl_from_logits(new, old.astype(jnp.float32))):
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_head_nll_rounds_the_logit_gradient_to_the_hidden_dtype():
+  """bf16 hidden, fp32 head: dw = (p - onehot)^T h with p - onehot rounded to bf16 (the
+  compute dtype) before the matmul, against float64 numpy doing the same rounding."""
+  h, w, t, m = _case(n=64, d=16, v=48, seed=4)
+  hb = jnp.asarray(h, jnp.bfloat16)
+  h64 = np.asarray(hb.astype(jnp.float32), np.float64)
+  logits = h64 @ w.astype(np.float32).astype(np.float64).T
+  z = logits - logits.max(1, keepdims=True)
+  p = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+  d = (p - np.eye(w.shape[0])[t]) * m[:, None]
+  d_rounded = np.asarray(jnp.asarray(d, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32),
+                         np.float64)
+  want, unrounded = d_rounded.T @ h64, d.T @ h64
+  f = lambda w_: losses.head_nll(hb, w_, jnp.asarray(t, jnp.int32), jnp.asarray(m, jnp.float32),
+                                 16)
+  dw = np.asarray(jax.grad(f)(jnp.asarray(w, jnp.float32)), np.float64)
+  gap = np.linalg.norm(want - unrounded)
+  assert gap > 3e-4 * np.linalg.norm(want)  # the rounding is visible in fp32
+  assert np.linalg.norm(dw - want) < 0.1 * gap, (np.linalg.norm(dw - want), gap)
+
+
+def test_argmax_rows_of_negative_rows_ignores_the_padding():
+  """Rows below 0 everywhere (logits often are), V not a multiple of the chunk, no NaN in
+  the batch (the chunked path): the padded tail of the last chunk never wins."""
+  rs = np.random.default_rng(6)
+  for v in (300, 2049):
+    x = rs.standard_normal((5, v)).astype(np.float32) - 20.0
+    x[1, :] = -np.inf  # all -inf: index 0, as numpy
+    x[2, v - 1] = -1.0  # the max in the padded last chunk
+    got = np.asarray(jax.jit(losses.argmax_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x.astype(np.float64), -1))
+    assert np.all(got < v)

@@ -1,5 +1,6 @@
 """Tests for depth sampling (policies.sample_depth / draw_bucket / bucket_index) and helpers."""
 
+import itertools
 import math
 
 import jax
@@ -239,3 +240,144 @@ def test_kl_equal_to_eps_does_not_exit():
     _, c, _ = fn(s[1], s[0], c, jnp.int32(1))
     ex, _, _ = fn(s[2], s[1], c, jnp.int32(2))
     np.testing.assert_array_equal(np.asarray(ex), want)
+
+
+def _np_gelu(x):
+  """The tanh approximation (jax.nn.gelu's default), float64."""
+  return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize('hidden', [0, 3])
+def test_kl_probe_log_against_float64_numpy(hidden):
+  """KLProbe's log KL estimate per loop vs the documented formula in float64: set
+  min(i - 2, R - 1) at loop i, alpha log ||d A||^2 + x.w + b + w2.gelu([x, d / sd] W1 + b1)."""
+  r = np.random.default_rng(8)
+  n_r, d, k = 3, 6, 4
+  f = lambda *shape: r.normal(size=shape)
+  prm = dict(a_RxDxK=0.5 * f(n_r, d, k), w_RxD=f(n_r, d), b_R=f(n_r), mu_RxD=f(n_r, d),
+             sd_RxD=0.5 + r.random((n_r, d)), alpha_R=0.5 + r.random(n_r),
+             w1_Rx2DxH=f(n_r, 2 * d, hidden), b1_RxH=f(n_r, hidden), w2_RxH=f(n_r, hidden))
+  probe = policies.KLProbe(**{n: jnp.asarray(v, jnp.float32) for n, v in prm.items()})
+  s_old_BxLxD = f(2, 3, d)
+  s_new_BxLxD = s_old_BxLxD + 0.3 * f(2, 3, d)  # ||d A||^2 ~ 0.1..1: log and log1p differ
+  for i in range(2, 7):
+    p = {n: v[min(i - 2, n_r - 1)] for n, v in prm.items()}
+    dd = s_new_BxLxD - s_old_BxLxD
+    x = (s_new_BxLxD - p['mu_RxD']) / p['sd_RxD']
+    q = dd @ p['a_RxDxK']
+    want = p['alpha_R'] * np.log((q * q).sum(-1) + 1e-12) + x @ p['w_RxD'] + p['b_R']
+    if hidden:
+      z = np.concatenate([x, dd / p['sd_RxD']], -1)
+      want = want + _np_gelu(z @ p['w1_Rx2DxH'] + p['b1_RxH']) @ p['w2_RxH']
+    got = policies.kl_probe_log(probe, jnp.asarray(s_new_BxLxD, jnp.float32),
+                                jnp.asarray(s_old_BxLxD, jnp.float32), jnp.int32(i))
+    assert got.shape == (2, 3) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('policy', ['kl', 'reverse_kl', 'confidence'])
+def test_check_schedule_reads_against_brute_force(policy):
+  """Checks from max(min_loops, 2) (confidence: min_loops) every check_every loops; KL-type
+  checks also read the loop before each check, but not for a check beyond max_loops."""
+  for min_loops, check_every, max_loops in itertools.product((1, 2, 3), (1, 2, 3),
+                                                             (None, 4, 5, 6)):
+    first = min_loops if policy == 'confidence' else max(min_loops, 2)
+    checks = {i for i in range(1, 12) if i >= first and (i - min_loops) % check_every == 0}
+    reads = set(checks) if policy == 'confidence' else checks | {
+        c - 1 for c in checks if max_loops is None or c <= max_loops}
+    is_check, reads_fn = policies.check_schedule(policy, min_loops, check_every, max_loops)
+    for i in range(1, 11):
+      assert bool(is_check(jnp.int32(i))) == (i in checks), (min_loops, check_every, i)
+      assert bool(reads_fn(jnp.int32(i))) == (i in reads), (min_loops, check_every,
+                                                            max_loops, i)
+
+
+@pytest.mark.parametrize('patience', [2, 3])
+def test_state_delta_patience_against_a_python_loop(patience):
+  """patience: exit once relative_change < eps at `patience` consecutive loops counted from
+  loop 2 (loop 1's change never counts), per token, in an engine-like loop."""
+  r = np.random.default_rng(9)
+  small = np.array([[1, 1, 1, 0, 1, 1, 1],   # loops 1..7; 1: a step far below eps
+                    [1, 1, 0, 1, 1, 0, 1],
+                    [0, 1, 1, 1, 1, 1, 1],
+                    [1, 0, 1, 1, 0, 1, 1],
+                    [0, 0, 0, 0, 0, 0, 0]], bool)
+  n_tok, loops = small.shape
+  s = [r.normal(size=(1, n_tok, 8))]
+  for i in range(loops):
+    scale = np.where(small[:, i], 1e-4, 1.0)[None, :, None]
+    s.append(s[-1] + scale * r.normal(size=(1, n_tok, 8)))
+  check, carry0 = policies.make_check_fn('state_delta', eps=1e-2, patience=patience)
+  carry = carry0(jnp.asarray(s[0], jnp.float32))
+  active = np.ones(n_tok, bool)
+  got = np.zeros(n_tok, int)
+  run = np.zeros(n_tok, int)
+  want = np.zeros(n_tok, int)
+  for i in range(1, loops + 1):
+    ex, carry, _ = check(jnp.asarray(s[i], jnp.float32), jnp.asarray(s[i - 1], jnp.float32),
+                         carry, jnp.int32(i), jnp.asarray(active[None]))
+    a, b = s[i][0], s[i - 1][0]
+    rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(a, axis=-1)
+    run = np.where((rel < 1e-2) & (i >= 2), run + 1, 0)
+    want = np.where((want == 0) & (run >= patience), i, want)
+    ex = np.asarray(ex)[0] & active
+    got[ex] = i
+    active &= ~ex
+  np.testing.assert_array_equal(got, want)
+  assert len(set(want.tolist())) > 2  # tokens exit at different loops (0: never)
+
+
+def test_readout_counts_per_token_follow_the_active_mask():
+  """CheckCarry's per-token coda/head counts add a read loop's readout only where the token
+  is active; the batch counts add one per read loop (kl: the checks and the loops before)."""
+  r = np.random.default_rng(10)
+  w = jnp.asarray(r.normal(size=(12, 8)), jnp.float32)
+  check, carry0 = policies.make_check_fn('kl', eps=1e-3, readout=lambda s: s, w_VxD=w,
+                                         min_loops=3, check_every=3)
+  states = [jnp.asarray(r.normal(size=(2, 3, 8)), jnp.float32) for _ in range(8)]
+  active = r.random((8, 2, 3)) < 0.6
+  reads = {2, 3, 5, 6}  # checks at 3 and 6, each with the loop before it
+  carry = carry0(states[0])
+  for i in range(1, 8):
+    _, carry, _ = check(states[i], states[i - 1], carry, jnp.int32(i), jnp.asarray(active[i]))
+  want_BxL = sum(active[i].astype(int) for i in sorted(reads))
+  np.testing.assert_array_equal(np.asarray(carry.coda_BxL), want_BxL)
+  np.testing.assert_array_equal(np.asarray(carry.head_BxL), want_BxL)
+  assert int(carry.coda) == int(carry.head) == len(reads)
+  assert 0 < want_BxL.min() < want_BxL.max() < len(reads) + 1
+
+
+def _np_kl(a, b):
+  """Float64 KL(softmax a || softmax b) over the last axis."""
+  la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
+  lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
+  return np.sum(np.exp(la) * (la - lb), -1)
+
+
+def test_reverse_kl_check_is_kl_of_the_previous_distribution_from_the_new():
+  """reverse_kl exits where KL(p_{i-1} || p_i) < eps (float64 numpy), and a trace records
+  both directions, which differ here."""
+  r = np.random.default_rng(11)
+  w = r.normal(size=(10, 8))
+  s = [r.normal(size=(2, 6, 8)) * np.array([0.3, 1.5])[:, None, None] for _ in range(3)]
+  logits = [x @ w.T for x in s]
+  fwd, rev = _np_kl(logits[2], logits[1]), _np_kl(logits[1], logits[2])
+  assert np.median(np.abs(fwd - rev) / rev) > 0.05
+  gap = np.where(rev < np.median(rev) * 2, np.abs(fwd - rev) / rev, 0.0)
+  j = np.unravel_index(np.argmax(gap), gap.shape)
+  eps = float(fwd[j] + rev[j]) / 2  # the two directions fall either side of eps here
+  assert 0 < np.sum(rev < eps) < rev.size
+  w32 = jnp.asarray(w, jnp.float32)
+  sj = [jnp.asarray(x, jnp.float32) for x in s]
+  check, carry0 = policies.make_check_fn('reverse_kl', eps=eps, readout=lambda x: x, w_VxD=w32)
+  carry = carry0(sj[0])
+  _, carry, _ = check(sj[1], sj[0], carry, jnp.int32(1))
+  ex, _, _ = check(sj[2], sj[1], carry, jnp.int32(2))
+  np.testing.assert_array_equal(np.asarray(ex), rev < eps)
+  assert np.any((rev < eps) != (fwd < eps))  # the forward direction decides otherwise
+  check, carry0 = policies.make_check_fn('reverse_kl', eps=eps, readout=lambda x: x, w_VxD=w32,
+                                         trace=True)
+  _, carry, st = check(sj[1], sj[0], carry0(sj[0]), jnp.int32(1))
+  _, _, st = check(sj[2], sj[1], carry, jnp.int32(2))
+  np.testing.assert_allclose(np.asarray(st['rkl']), rev, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(st['kl']), fwd, rtol=1e-4, atol=1e-6)
