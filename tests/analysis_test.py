@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import traced_setup
+from conftest import nll_np, traced_setup
 
-from elastic_depth import analysis, losses
+from elastic_depth import analysis, config, decoding, losses
 from elastic_depth import model as model_lib
 
 R, B, L = 6, 2, 8
@@ -170,3 +170,29 @@ def test_in_row_chunks_equals_one_call_on_all_rows(rows, chunk):
   np.testing.assert_allclose(got[0], a * 2.0 + b.sum(axis=(1, 2))[:, None], rtol=1e-6)
   np.testing.assert_array_equal(got[1], np.cumsum(b, axis=2))
   assert got[0].dtype == np.float64 and got[1].shape == (rows, 2, 3)
+
+
+def test_cached_outputs_cover_positions_0_to_l_minus_1(setup):
+  """cached_outputs appends the last target and drops its decode step: its NLL, depths and
+  counts equal score_cached of the inputs alone (positions 0..L-1), at a threshold where
+  tokens exit at different loops."""
+  mdl, batches, rng, trace = setup
+  eps = float(np.median(trace.stats['kl'][1:]))
+  cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=R)
+  ref_fn = jax.jit(lambda t: decoding.score_cached(mdl, t, 1, cfg, rng, with_counts=True))
+  for b in batches:
+    x, y = jnp.asarray(b['inputs']), jnp.asarray(b['targets'])
+    with jax.default_matmul_precision('highest'):
+      nll, n = analysis.RUNS[config.Semantics.CACHED](
+          mdl, x, y, rng, jnp.float32(eps), None, jnp.asarray(b['mask']),
+          policy=config.ExitPolicy.KL, min_loops=1, r_max=R)
+      logits, depth, depth0, m = ref_fn(x)  # predicts tokens 1..L-1 from positions 0..L-2
+    want_depth = np.concatenate([np.asarray(depth0), np.asarray(depth)], 1)
+    assert len(np.unique(want_depth)) > 2  # tokens exit at different loops: a real test
+    np.testing.assert_array_equal(np.asarray(n.depth), want_depth)
+    for name in ('coda', 'head', 'core_passes', 'coda_passes', 'head_passes'):
+      np.testing.assert_array_equal(np.asarray(getattr(n, name)), np.asarray(getattr(m, name)),
+                                    err_msg=name)
+    np.testing.assert_allclose(np.asarray(nll)[:, :-1],
+                               nll_np(np.asarray(logits), np.asarray(b['targets'])[:, :-1]),
+                               rtol=1e-5, atol=1e-5)

@@ -161,3 +161,42 @@ def test_digit_last_answers_and_difficulty_by_brute_force():
 def test_unknown_task_is_a_clear_error():
   with pytest.raises(DataError, match='synth_task'):
     synthetic.load(10, 2, 4, seed=0, val_fraction=0.1, task='nope')
+
+
+def test_val_size_rounds_and_is_at_least_one():
+  """n_val = max(1, round(N * val_fraction)), rounded to the nearest (not truncated)."""
+  for n, frac in ((10, 0.01), (100, 0.29), (10, 0.15), (7, 0.5)):
+    _, val, _ = synthetic.load(n, 2, 8, seed=0, val_fraction=frac)
+    want = max(1, int(np.floor(n * frac + 0.5)))  # no exact halves here: round = floor(+0.5)
+    assert len(val.ids) == want, (n, frac)
+
+
+def test_op_tasks_accept_as_many_ops_as_variables():
+  """num_ops may equal num_vars (every variable name an op); one more is refused."""
+  for task in ('compose', 'chain', 'digit_last'):
+    train, _, vocab = synthetic.load(20, 2, 4, seed=0, val_fraction=0.1, task=task, num_ops=4)
+    assert len(train.ids) == 20
+    ops = {t for ids in train.ids for t in vocab.decode(ids).split() if t.isalpha()}
+    assert ops <= set(synthetic.VAR_NAMES[:4])
+    with pytest.raises(DataError, match='synth_num_ops=5'):
+      synthetic.load(20, 2, 4, seed=0, val_fraction=0.1, task=task, num_ops=5)
+
+
+@pytest.mark.parametrize('hops,num_vars', [(3, 16), (6, 8), (2, 3)])
+def test_binding_lines_and_distractor_chains(hops, num_vars):
+  """min(num_vars, 2 * max_hops) bindings per program, and distractors bind to any earlier
+  variable: some bind to another distractor (their own chains), not only to the query chain."""
+  train, _, vocab = synthetic.load(300, hops, num_vars, seed=5, val_fraction=0.1)
+  own_chains = 0
+  for ids in train.ids:
+    toks = vocab.decode(ids).split()
+    q = toks.index('?')
+    bindings = dict(zip(toks[0:q:3], toks[1:q:3]))
+    assert len(bindings) == q // 3 == min(num_vars, 2 * hops)
+    chain, x = set(), toks[q + 1]  # the first query's chain
+    while x not in synthetic.DIGITS:
+      chain.add(x)
+      x = bindings[x]
+    own_chains += sum(v not in chain and r in bindings and r not in chain
+                      for v, r in bindings.items())
+  assert own_chains > 0

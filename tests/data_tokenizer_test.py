@@ -178,3 +178,27 @@ def test_a_special_string_only_encodable_as_itself_is_refused(tmp_path):
   with pytest.raises(DataError, match=r"encodes to the EOS id 3 .*split.*"
                                       r"text: 'b a <\|endoftext\|> b'"):
     tok.encode_batch(['a b', 'b a <|endoftext|> b'])
+
+
+def test_bpe_at_exactly_the_byte_alphabet_plus_eos():
+  """vocab_size = 256 + 1 is enough for a byte-level BPE (the bound is inclusive)."""
+  tok = tokenizer_lib.get('train', DOCS, tokenizer_lib.MIN_BPE_VOCAB)
+  assert tok.vocab_size == 257
+  assert [tok.decode(x) for x in tok.encode_batch(DOCS[:2])] == DOCS[:2]
+  with pytest.raises(DataError, match='at least 257 tokens but model.vocab_size=256'):
+    tokenizer_lib.get('train', DOCS, 256)
+
+
+def test_every_special_token_is_class_other(tmp_path):
+  """A special token other than EOS is OTHER even when its text reads as a word."""
+  vocab = {'a': 0, 'b': 1, '[UNK]': 2, '<|endoftext|>': 3, 'SEP': 4, '7': 5}
+  path = word_level(tmp_path, 'WhitespaceSplit', vocab)
+  spec = json.loads(path.read_text('utf-8'))
+  spec['added_tokens'].append(dict(spec['added_tokens'][0], id=4, content='SEP'))
+  path.write_text(json.dumps(spec))
+  tok = tokenizer_lib.get(str(path), [], 8)
+  assert tok.special_ids == {3, 4} and tok.decode([4]) == 'SEP'
+  assert tokenizer_lib.classify(tok.decode([4])) == tokenizer_lib.TokenClass.WORD
+  got = tokenizer_lib.token_classes(tok, [0, 3, 4, 5]).tolist()
+  c = tokenizer_lib.TokenClass
+  assert got == [c.WORD, c.OTHER, c.OTHER, c.NUMERAL]

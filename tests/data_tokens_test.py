@@ -10,7 +10,7 @@ import pytest
 from conftest import nll_np
 from elastic_depth import config as config_lib
 from elastic_depth.config import DataConfig
-from elastic_depth.data import pipeline, shards, tokenizer as tokenizer_lib
+from elastic_depth.data import pipeline, shards, tokens as tokens_lib, tokenizer as tokenizer_lib
 from elastic_depth.data.errors import DataError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -191,3 +191,48 @@ def test_pretrain_trains_on_prepared_shards(tmp_path, make_config):
   with open(tmp_path / 'wd' / 'metrics.jsonl', encoding='utf-8') as f:
     first = next(r for r in map(json.loads, f) if r.get('step') == 1 and 'train/loss' in r)
   assert first['train/loss'] == pytest.approx(want, rel=1e-5)
+
+
+def test_shard_reads_equal_slices_of_the_concatenated_stream(tmp_path):
+  """tokens(a, b) and difficulty(a, b) of ShardWindows are stream[a:b] (numpy slicing, stop
+  clipped to the end) of the shards concatenated, for every a <= b, boundaries included."""
+  rs = np.random.default_rng(0)
+  parts = [rs.integers(0, 60000, n).astype('<u2') for n in (5, 1, 7, 3)]
+  for k, p in enumerate(parts):
+    p.tofile(tmp_path / f'train-{k:05d}.bin')
+  w = tokens_lib.ShardWindows(tmp_path, [{'file': f'train-{k:05d}.bin', 'tokens': len(p)}
+                                         for k, p in enumerate(parts)], 'uint16', 4)
+  stream = np.concatenate(parts).astype(np.int32)
+  assert w.num_tokens == len(stream) == 16 and len(w) == (16 - 1) // 4
+  for a in range(len(stream) + 1):
+    for b in range(a, len(stream) + 4):
+      got = w.tokens(a, b)
+      assert got.dtype == np.int32
+      np.testing.assert_array_equal(got, stream[a:b], err_msg=f'{a}:{b}')
+      np.testing.assert_array_equal(w.difficulty(a, b),
+                                    np.full(len(stream[a:b]), pipeline.NO_DIFFICULTY))
+  for i in range(len(w)):  # windows of seq_len + 1 tokens with stride seq_len
+    np.testing.assert_array_equal(w[i]['inputs'], stream[4 * i:4 * i + 4])
+    np.testing.assert_array_equal(w[i]['targets'], stream[4 * i + 1:4 * i + 5])
+
+
+@pytest.mark.parametrize('extra', [-1, 1])
+def test_a_shard_of_the_wrong_size_is_refused(tmp_path, extra):
+  """A shard file one token shorter or longer than its index entry is damaged."""
+  np.arange(5 + extra, dtype='<u2').tofile(tmp_path / 'train-00000.bin')
+  with pytest.raises(DataError, match=rf'{2 * (5 + extra)} bytes, expected 5 uint16 tokens'):
+    tokens_lib.ShardWindows(tmp_path, [{'file': 'train-00000.bin', 'tokens': 5}], 'uint16', 2)
+  np.arange(5, dtype='<u2').tofile(tmp_path / 'train-00000.bin')
+  assert tokens_lib.ShardWindows(tmp_path, [{'file': 'train-00000.bin', 'tokens': 5}], 'uint16',
+                                 2).num_tokens == 5
+
+
+def test_an_index_that_does_not_say_complete_is_refused(tmp_path):
+  """Only an index with complete: true is read; one without the flag is not trusted."""
+  index = {'format': shards.FORMAT, 'splits': {'train': {'shards': [{'file': 'x.bin'}]}}}
+  for complete in ({}, {'complete': False}, {'complete': None}):
+    (tmp_path / shards.INDEX).write_text(json.dumps({**index, **complete}))
+    with pytest.raises(DataError, match=r'only partly prepared \(1 train shards\)'):
+      tokens_lib.open_index(tmp_path)
+  (tmp_path / shards.INDEX).write_text(json.dumps({**index, 'complete': True}))
+  assert tokens_lib.open_index(tmp_path)['complete'] is True

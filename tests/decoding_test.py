@@ -389,3 +389,65 @@ def test_cached_kl_direction_matches_brute_force():
     cfg = config.ExitConfig(policy='kl', eps=eps, max_loops=r)
     _, depth, _ = decoding.score_cached(mdl, toks, 4, cfg, rng)
     np.testing.assert_array_equal(np.asarray(depth), ref_depth)
+
+
+def test_generation_counts_two_readouts_per_check_of_active_rows():
+  """The paired KL check reads loops i-1 and i (two readouts, two head products) at every
+  loop 2..d of a token that exits at d, the check's logits are the output (no final
+  readout), and the batch counts follow each step's deepest row."""
+  mdl, rng, prompts, cfg = _two_rows()
+  _, depth, counts = jax.jit(
+      lambda p: decoding.generate(mdl, p, 6, cfg, rng, with_counts=True))(prompts)
+  depth = np.asarray(depth)  # [B, N]
+  assert np.any(depth.min(0) < depth.max(0)) and depth.min() >= 2  # ragged, no exit at 1
+  for name in ('coda', 'head'):
+    np.testing.assert_array_equal(np.asarray(getattr(counts, name))[..., 0].T, 2 * (depth - 1),
+                                  err_msg=name)
+  for name in ('coda_passes', 'head_passes'):
+    np.testing.assert_array_equal(np.asarray(getattr(counts, name)), 2 * (depth.max(0) - 1),
+                                  err_msg=name)
+
+
+def test_given_depths_stop_the_kl_policy():
+  """depth_BxN on a KL policy whose check never fires (eps 0): each token runs exactly its
+  given depth, with the NLL of uniform decoding capped at the same given depths."""
+  mdl, rng, prompts, _ = _two_rows()
+  n = 5
+  given = jnp.asarray(np.random.default_rng(1).integers(1, 7, (2, n)), jnp.int32)
+  forced = jax.random.randint(jax.random.key(4), (2, n), 0, mdl.cfg.vocab_size)
+  gen = lambda cfg: jax.jit(lambda p, f, g: decoding.generate(
+      mdl, p, n, cfg, rng, forced_BxN=f, depth_BxN=g, prefill_cfg=config.ExitConfig(
+          policy='uniform', depth=6)))(prompts, forced, given)
+  _, ref_depth, ref_nll = gen(config.ExitConfig(policy='uniform', depth=6))
+  np.testing.assert_array_equal(np.asarray(ref_depth), np.asarray(given))
+  _, depth, nll = gen(config.ExitConfig(policy='kl', eps=0.0, max_loops=6))
+  np.testing.assert_array_equal(np.asarray(depth), np.asarray(given))
+  np.testing.assert_allclose(np.asarray(nll), np.asarray(ref_nll), rtol=1e-5, atol=1e-5)
+
+
+def test_pick_refuses_an_infinite_temperature():
+  """temperature=inf would sample uniformly (logits / inf = 0): refused like NaN."""
+  logits, pos = jnp.zeros((2, 5)), jnp.arange(2)
+  for t in (float('inf'), -float('inf')):
+    with pytest.raises(ValueError, match='must be a finite number >= 0'):
+      decoding.pick(logits, pos, jax.random.key(0), t)
+  assert decoding.pick(logits.at[:, 3].set(1.0), pos, jax.random.key(0), 0.0).tolist() == [3, 3]
+
+
+def test_batched_gated_generation_equals_per_row_generation():
+  """gated_kl in a batch: a row whose state still changes (delta >= gate) does not exit on
+  a check that another row's gate opened; each row equals its batch-1 generation."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
+  r, n, rng = 7, 6, jax.random.key(0)
+  p = jnp.asarray([[3, 17, 5, 9], [40, 2, 31, 0]], jnp.int32)
+  tr = inference.score(mdl, p, config.ExitConfig(policy='uniform', depth=r), rng,
+                       trace=True).traces
+  cfg = config.ExitConfig(policy='gated_kl', eps=float(np.percentile(tr['kl'][1:], 80)),
+                          gate=float(np.percentile(tr['delta'][1:], 30)), max_loops=r)
+  gen = jax.jit(lambda x: decoding.generate(mdl, x, n, cfg, rng))
+  toks, depth = gen(p)
+  assert np.any(np.asarray(depth) < r)  # tokens exit
+  for row in range(2):
+    t1, d1 = gen(p[row:row + 1])
+    np.testing.assert_array_equal(np.asarray(depth[row:row + 1]), np.asarray(d1))
+    np.testing.assert_array_equal(np.asarray(toks[row:row + 1]), np.asarray(t1))

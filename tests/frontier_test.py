@@ -171,3 +171,30 @@ def test_cached_curves_are_judged_against_a0_in_cached_semantics(setup):
   assert res['curves']['kl@cached']['loss'][0] == pytest.approx(a0c['loss'][1], rel=1e-5)
   assert res['headline']['kl']['frontier']['a0_loss_same_loops'][0] == pytest.approx(
       res['a0']['loss'][1])
+
+
+def test_wall_clock_times_a0_at_the_rounded_reference_depth(setup):
+  """A0's timed depth is the reference depth rounded to the nearest loop, not truncated."""
+  mdl, batches, rng, _ = setup
+  for ref_depth in (2.6, 3.4):  # both round to 3 (truncation would give 2 and 3)
+    wc = frontier.wall_clock(mdl, batches, rng, frontier.Curve('kl', [1e9]), 1e9, ref_depth, R,
+                             repeats=1)
+    assert wc['a0_depth'] == 3 and wc['repeats'] == 1
+    assert wc['a0_s'] > 0 and wc['policy_s'] > 0
+
+
+def test_counted_means_are_over_the_masked_tokens(setup):
+  """mean_loops_counted, mean_readouts and mean_heads weigh tokens by the mask (parallel:
+  every position counted), against a separate run's depths at a ragged threshold."""
+  mdl, batches, rng, trace = setup
+  mask = np.concatenate([b['mask'] for b in batches]).astype(np.float64)
+  assert 0 < mask.mean() < 1  # some tokens unscored: a real test
+  mid = float(np.median(trace.stats['kl'][1:]))
+  c = frontier.policy_curve(mdl, batches, rng, frontier.Curve('kl', [mid]), R)
+  _, depth = _score(mdl, batches, rng, config.ExitConfig(policy='kl', eps=mid, max_loops=R))
+  want = np.sum(depth * mask) / np.sum(mask)
+  assert want != pytest.approx(np.mean(depth))  # the mask changes the mean
+  assert c['mean_loops_counted'][0] == pytest.approx(want)
+  # a readout and a head product at each loop (a check or the loop before one) + the final
+  assert c['mean_readouts'][0] == pytest.approx(want + 1)
+  assert c['mean_heads'][0] == pytest.approx(want + 1)
