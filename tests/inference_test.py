@@ -24,22 +24,26 @@ def setup():
 
 
 def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patience=1,
-                   growth=1.0):
+                   growth=1.0, check_every=1, exit_mask=None, active0=None):
   """Parallel semantics with plain Python loops over loops, blocks and tokens.
 
   stat 'kl' exits where KL(p_i || p_{i-1}) < eps; 'rkl' where KL(p_{i-1} || p_i) < eps;
   'delta' where the relative state change
   (float64) has been below eps at `patience` consecutive loops from loop 2; at loop i the
-  threshold is eps * growth^(i - 2). Returns the logits, depths and the per-loop
-  statistic of the active tokens.
+  threshold is eps * growth^(i - 2). Exits are decided at loops max(min_loops, 2) +
+  k check_every only, and only where exit_mask (None: everywhere); tokens not in active0
+  (padding) never run: their state stays initial and they offer zero keys/values.
+  Returns the logits, depths and the per-loop statistic of the active tokens.
   """
   pos = model_lib.positions(toks)
   e, _ = mdl.encode(toks, pos)
   s = mdl.initial_state(e, rng, pos)
   b, l = toks.shape
   depth = np.zeros((b, l), int)
-  active = np.ones((b, l), bool)
-  frozen = [[None] * l for _ in mdl.core]  # per block, per token: (k, v) [B,1,G,K]
+  active = np.ones((b, l), bool) if active0 is None else np.array(active0, bool)
+  g, kd = mdl.cfg.num_kv_heads, mdl.cfg.head_dim
+  zero = jnp.zeros((b, 1, g, kd), s.dtype)  # what padding offers (the engines' kv0)
+  frozen = [[(zero, zero)] * l for _ in mdl.core]  # per block, per token: (k, v) [B,1,G,K]
   h_prev = mdl.decode_state(s, pos)[0]
   kls, run = [], np.zeros((b, l), int)
   for i in range(1, max_loops + 1):
@@ -54,10 +58,9 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patienc
         own = []
 
         def kv_fn(k, v, t=t, ks=ks, vs=vs, own=own):
-          if frozen[j][t] is not None:  # rows that exited offer their frozen kv
-            a = jnp.asarray(active[:, t])[:, None, None, None]
-            k = jnp.where(a, k, frozen[j][t][0])
-            v = jnp.where(a, v, frozen[j][t][1])
+          a = jnp.asarray(active[:, t])[:, None, None, None]  # exited rows: frozen kv
+          k = jnp.where(a, k, frozen[j][t][0])
+          v = jnp.where(a, v, frozen[j][t][1])
           own.append((k, v))
           return attend_list(ks, vs)(k, v)
         y, _ = block(x[:, t:t + 1], pos[:, t:t + 1], kv_fn)
@@ -80,8 +83,8 @@ def brute_parallel(mdl, toks, eps, min_loops, max_loops, rng, stat='kl', patienc
       run = np.where(active, np.where((kl < eps_i) & (i >= 2), run + 1, 0), run)
       fire = run >= patience
     kls.append(np.where(active, kl, np.nan))
-    if i >= max(min_loops, 2):
-      active &= ~fire
+    if i >= max(min_loops, 2) and (i - min_loops) % check_every == 0:
+      active &= ~(fire if exit_mask is None else fire & np.asarray(exit_mask))
     h_prev = h
   logits = mdl.logits(mdl.decode_state(s, pos)[0])
   return np.asarray(logits), depth, kls
@@ -202,6 +205,89 @@ def test_eps_growth_matches_brute_force(setup, policy, stat):
         mdl, t, dataclasses.replace(cfg, engine=e), rng))(toks)
     np.testing.assert_array_equal(np.asarray(out.depth), ref_depth, err_msg=engine)
     np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope='module')
+def kl_eps(setup):
+  """A KL threshold far from every statistic of a full-depth run (key 7)."""
+  mdl, toks = setup
+  return safe_eps(brute_parallel(mdl, toks, -1.0, 1, R, jax.random.key(7))[2])
+
+
+@pytest.mark.parametrize('engine,stat', [('masked', 'kl'), ('compacted', 'kl'),
+                                         ('masked', 'delta')])
+def test_check_every_and_exit_mask_match_brute_force(setup, kl_eps, engine, stat):
+  """exit.check_every=2 (checks at loops 3, 5, ... from min_loops 1) and an exit mask (the
+  other tokens run max_loops) against the brute force (policies kl and state_delta)."""
+  mdl, toks = setup
+  rng = jax.random.key(7)
+  eps = kl_eps if stat == 'kl' else safe_eps(
+      brute_parallel(mdl, toks, -1.0, 1, R, rng, stat='delta')[2])
+  mask_BxL = np.random.default_rng(3).random((B, L)) < 0.6
+  ref_logits, ref_depth, _ = brute_parallel(mdl, toks, eps, 1, R, rng, stat, check_every=2,
+                                            exit_mask=mask_BxL)
+  assert np.all(ref_depth[~mask_BxL] == R) and len(np.unique(ref_depth[mask_BxL])) > 1
+  assert np.all(ref_depth[ref_depth < R] % 2 == 1), ref_depth  # exits at check loops only
+  cfg = config.ExitConfig(policy={'kl': 'kl', 'delta': 'state_delta'}[stat], eps=eps,
+                          min_loops=1, max_loops=R, check_every=2, engine=engine,
+                          compact_steps=2)
+  out = jax.jit(lambda t, m: inference.score(mdl, t, cfg, rng, exit_mask_BxL=m))(
+      toks, jnp.asarray(mask_BxL))
+  np.testing.assert_array_equal(np.asarray(out.depth), ref_depth)
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('engine', ['masked', 'compacted'])
+def test_padding_starts_inactive_and_matches_brute_force(setup, kl_eps, engine):
+  """active_BxL: left padding (row 0) and right padding (row 1) run no loop, keep their
+  initial states and offer zero core keys/values; the other tokens' depths and logits
+  equal the brute force's."""
+  mdl, toks = setup
+  rng = jax.random.key(7)
+  active_BxL = np.ones((B, L), bool)
+  active_BxL[0, :3] = False
+  active_BxL[1, -2:] = False
+  ref_logits, ref_depth, _ = brute_parallel(mdl, toks, kl_eps, 1, R, rng, active0=active_BxL)
+  assert np.all(ref_depth[~active_BxL] == 0) and len(np.unique(ref_depth[active_BxL])) > 2
+  make = {'masked': inference.exit_loop, 'compacted': inference.compact_exit_loop}[engine]
+  kw = {} if engine == 'masked' else dict(steps=2)
+  loop = make(config.ExitConfig(policy='kl', eps=kl_eps, max_loops=R),
+              active_BxL=jnp.asarray(active_BxL), **kw)
+  out = jax.jit(lambda t: mdl.forward(t, rng, loop))(toks)
+  np.testing.assert_array_equal(np.asarray(out.aux.depth), ref_depth)
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=1e-5, rtol=1e-5)
+  pos = model_lib.positions(toks)
+  s0 = mdl.initial_state(mdl.encode(toks, pos)[0], rng, pos)
+  np.testing.assert_allclose(np.asarray(out.state)[~active_BxL], np.asarray(s0)[~active_BxL],
+                             atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize('n_coda,pad', [(1, 4), (2, 0)])
+def test_compacted_equals_masked_at_every_threshold(setup, n_coda, pad):
+  """At every eps between two of the brute force's per-loop KLs (0.2% apart or more), the
+  compacted engine exits every token where the masked one does: with left padding (its
+  compacted coda reads the padding's coda keys/values of their initial states, as the
+  masked engine's full readout does), and with two coda blocks (its full readout reads
+  the frozen states of the tokens that exited inside a phase)."""
+  mdl, toks = setup
+  if n_coda != 1:
+    mdl = model_lib.LoopedLM(dataclasses.replace(exit_model_config(), n_coda=n_coda),
+                             nnx.Rngs(3))
+  rng = jax.random.key(7)
+  active_BxL = np.ones((B, L), bool)
+  active_BxL[:, :pad] = False
+  cfg = config.ExitConfig(policy='kl', eps=0.0, max_loops=R)
+  run = lambda make, **kw: jax.jit(lambda t, e: mdl.forward(t, rng, make(
+      dataclasses.replace(cfg, eps=e), active_BxL=jnp.asarray(active_BxL), **kw)).aux.depth)
+  masked, compacted = run(inference.exit_loop), run(inference.compact_exit_loop, steps=2)
+  kls = brute_parallel(mdl, toks, -1.0, 1, R, rng, active0=active_BxL)[2]
+  v = np.sort(np.concatenate([k[np.isfinite(k)] for k in kls[1:]]))
+  mids = [np.sqrt(a * b) for a, b in zip(v[:-1], v[1:]) if b > a * 1.002]
+  assert len(mids) > 20
+  for eps in mids[::max(len(mids) // 24, 1)]:
+    want = np.asarray(masked(toks, jnp.float32(eps)))
+    np.testing.assert_array_equal(np.asarray(compacted(toks, jnp.float32(eps))), want,
+                                  err_msg=f'eps={eps}')
 
 
 def test_eps_zero_equals_full_depth_and_never_firing_equals_uniform(setup):

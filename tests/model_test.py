@@ -40,25 +40,28 @@ def np_rope(x_BxLxHxK, pos_BxL, theta):
   return out
 
 
-def np_attention(x_BxLxD, p, pos_BxL, theta):
-  """Causal GQA: query head h reads kv head h // (H / G). Returns (out, (k, v))."""
+def np_attention(x_BxLxD, p, pos_BxL, theta, see_LxL=None):
+  """GQA: query head h reads kv head h // (H / G); causal unless query t sees key j where
+  see_LxL[t, j]; q/k biases (qk_bias) added before RoPE. Returns (out, (k, v))."""
   wq, wk, wv, wo = p['wq'], p['wk'], p['wv'], p['wo']
   b, l, _ = x_BxLxD.shape
   h, kd = wq.shape[1], wq.shape[2]
   g = wk.shape[1]
-  q = np_rope(np.einsum('bld,dhk->blhk', x_BxLxD, wq), pos_BxL, theta)
-  k = np_rope(np.einsum('bld,dgk->blgk', x_BxLxD, wk), pos_BxL, theta)
+  see = np.tril(np.ones((l, l), bool)) if see_LxL is None else see_LxL
+  q = np_rope(np.einsum('bld,dhk->blhk', x_BxLxD, wq) + p.get('q_bias', 0.0), pos_BxL, theta)
+  k = np_rope(np.einsum('bld,dgk->blgk', x_BxLxD, wk) + p.get('k_bias', 0.0), pos_BxL, theta)
   v = np.einsum('bld,dgk->blgk', x_BxLxD, wv)
   o = np.zeros((b, l, h, kd))
   for bi in range(b):
     for hi in range(h):
       gi = hi // (h // g)
       for t in range(l):
-        scores = np.array([q[bi, t, hi] @ k[bi, j, gi] for j in range(t + 1)])
+        js = [j for j in range(l) if see[t, j]]
+        scores = np.array([q[bi, t, hi] @ k[bi, j, gi] for j in js])
         scores /= np.sqrt(kd)
         w = np.exp(scores - scores.max())
         w /= w.sum()
-        o[bi, t, hi] = sum(w[j] * v[bi, j, gi] for j in range(t + 1))
+        o[bi, t, hi] = sum(wj * v[bi, j, gi] for wj, j in zip(w, js))
   return np.einsum('blhk,hkd->bld', o, wo), (k, v)
 
 
@@ -75,8 +78,11 @@ def np_block(x, p, pos, theta, eps):
 
 
 def attn_params(attn):
-  return dict(wq=f64(attn.wq_DxHxK[...]), wk=f64(attn.wk_DxGxK[...]),
-              wv=f64(attn.wv_DxGxK[...]), wo=f64(attn.wo_HxKxD[...]))
+  p = dict(wq=f64(attn.wq_DxHxK[...]), wk=f64(attn.wk_DxGxK[...]),
+           wv=f64(attn.wv_DxGxK[...]), wo=f64(attn.wo_HxKxD[...]))
+  if attn.qk_bias:
+    p.update(q_bias=f64(attn.q_bias_HxK[...]), k_bias=f64(attn.k_bias_GxK[...]))
+  return p
 
 
 def mlp_params(mlp):
@@ -91,12 +97,13 @@ def block_params(block):
 
 
 def np_looped_lm(mdl, tokens_BxL, s0_BxLxD, r):
-  """Logits of the whole LM: embed, prelude, r core loops with re-injection, coda, head."""
+  """Logits of the whole LM: embed (times embed_scale), prelude, r core loops with
+  re-injection, (final norm with norm_before_coda,) coda, head."""
   cfg = mdl.cfg
   th, eps = cfg.rope_theta, cfg.norm_eps
   pos = np.broadcast_to(np.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
   emb = f64(mdl.embed_VxD[...])
-  e = emb[np.asarray(tokens_BxL)]
+  e = emb[np.asarray(tokens_BxL)] * cfg.embed_scale
   for blk in mdl.prelude:
     e = np_block(e, block_params(blk), pos, th, eps)
   s = f64(s0_BxLxD)
@@ -105,6 +112,8 @@ def np_looped_lm(mdl, tokens_BxL, s0_BxLxD, r):
     s = np.concatenate([s, e], axis=-1) @ adapter
     for blk in mdl.core:
       s = np_block(s, block_params(blk), pos, th, eps)
+  if cfg.norm_before_coda:
+    s = np_rmsnorm(s, f64(mdl.final_norm.scale[...]), eps)
   for blk in mdl.coda:
     s = np_block(s, block_params(blk), pos, th, eps)
   h = np_rmsnorm(s, f64(mdl.final_norm.scale[...]), eps)
@@ -254,6 +263,82 @@ def test_whole_looped_lm_matches_numpy(make_config, tie):
   want = np_looped_lm(mdl, np.asarray(tokens), s0, cfg.depth.buckets[idx])
   assert got.shape == (2, 6, cfg.model.vocab_size) and got.dtype == jnp.float32
   assert_close(got, want, rtol=1e-5)
+
+
+def test_huginn_options_match_numpy(make_config):
+  """embed_scale, qk_bias (random biases, before RoPE) and norm_before_coda, all at once,
+  against the float64 reference."""
+  cfg = make_config(model=dict(embed_scale=2.5, qk_bias=True, norm_before_coda=True))
+  mdl = model_lib.build_model(cfg.model, seed=1)
+  randomise(mdl, 12)
+  assert np.abs(f64(mdl.core[0].attn.k_bias_GxK[...])).min() > 0  # biases really random
+  tokens = jnp.asarray(np.random.default_rng(13).integers(0, 64, (2, 6)), jnp.int32)
+  key = jax.random.key(3)
+  got = jax.jit(lambda m, t: m.forward(t, key, model_lib.fixed(2)).logits)(mdl, tokens)
+  pos = model_lib.positions(tokens)
+  s0 = mdl.initial_state(jnp.zeros((2, 6, cfg.model.d_model)), key, pos)
+  assert_close(got, np_looped_lm(mdl, np.asarray(tokens), s0, 2), rtol=2e-5)
+
+
+def test_attention_kv_fn_mask_is_not_made_causal(model_cfg):
+  """A kv_fn mask is the whole mask: a bidirectional one (and a cache-like one: query t
+  sees keys t.. only) attends to later keys, as the float64 reference does."""
+  attn = model_lib.Attention(model_cfg, nnx.Rngs(0))
+  randomise(attn, 4)
+  x = np.random.default_rng(15).normal(size=(2, 6, model_cfg.d_model)).astype(np.float32)
+  pos = np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6))
+  for see_LxL in (np.ones((6, 6), bool), np.triu(np.ones((6, 6), bool))):
+    out, _ = attn(jnp.asarray(x), jnp.asarray(pos),
+                  lambda k, v, m=jnp.asarray(see_LxL)[None, None]: (k, v, m))
+    want, _ = np_attention(f64(x), attn_params(attn), pos, model_cfg.rope_theta, see_LxL)
+    assert_close(out, want, rtol=1e-5)
+
+
+def test_initial_state_is_a_scaled_truncated_normal_per_position(model_cfg):
+  """init_state random: per position a draw of std ~state_std (truncated at 3 sigma), the
+  same in every row and batch, different across positions; init_state zeros: zeros."""
+  e = jnp.asarray(np.random.default_rng(16).normal(size=(3, 64, model_cfg.d_model)),
+                  jnp.float32)
+  pos = model_lib.positions(jnp.zeros((3, 64), jnp.int32))
+  key = jax.random.key(17)
+  for std in (0.25, 2.0):
+    mdl = model_lib.LoopedLM(dataclasses.replace(model_cfg, state_std=std), nnx.Rngs(0))
+    s = f64(mdl.initial_state(e, key, pos))
+    # a standard normal truncated at +-3 has std 0.9866; 2048 draws: ~2% sampling error
+    assert abs(s[0].std() / std - 0.9866) < 0.06, s[0].std()
+    assert np.abs(s).max() <= 3 * std * (1 + 1e-6)
+    np.testing.assert_array_equal(s[0], s[2])  # the row does not matter
+    np.testing.assert_array_equal(s[:1, :16], f64(mdl.initial_state(e[:1, :16], key, pos[:1, :16])))
+    assert np.min(np.abs(s[0, 1:] - s[0, :-1]).max(-1)) > 0  # every position its own draw
+  zeros = model_lib.LoopedLM(dataclasses.replace(model_cfg, init_state='zeros'), nnx.Rngs(0))
+  np.testing.assert_array_equal(f64(zeros.initial_state(e, key, pos)), 0.0)
+
+
+def test_bucketed_loop_honours_backprop_depth(make_config):
+  """depth.backprop_depth=1: the training loop's gradient is that of a Python loop whose
+  first r - 1 loops are under stop_gradient (and differs from the full gradient)."""
+  cfg = make_config(depth=dict(backprop_depth=1, buckets=(1, 3), r_max=3))
+  graphdef, params = nnx.split(model_lib.build_model(cfg.model, seed=1), nnx.Param)
+  params = params.to_pure_dict()
+  tokens = jnp.asarray(np.random.default_rng(18).integers(0, 64, (1, 5)), jnp.int32)
+  idx = 1  # 3 loops (the switch's other branch: 1 loop)
+
+  def python_loop(frozen):
+    def loop(m, s, inj, pos):
+      step = m.step_fn(inj, pos)
+      for j in range(cfg.depth.buckets[idx]):
+        s = jax.lax.stop_gradient(step(s)) if j < frozen else step(s)
+      return s, None
+    return loop
+
+  grad = lambda loop: jax.grad(lambda p: jnp.sum(jnp.sin(model_lib.bind(graphdef, p).forward(
+      tokens, jax.random.key(0), loop).logits)))(params)
+  got = jax.jit(lambda i: grad(model_lib.bucketed(i, cfg.depth)))(jnp.int32(idx))
+  want, full = jax.jit(lambda: (grad(python_loop(cfg.depth.buckets[idx] - 1)),
+                                grad(python_loop(0))))()
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in
+             zip(jax.tree.leaves(want), jax.tree.leaves(full))) > 1e-4
 
 
 def test_training_switch_has_a_branch_per_reachable_bucket_only(make_config):

@@ -330,3 +330,78 @@ def test_scatter_rows_drops_out_of_range_slots(order):
   got = recurrence.scatter_rows(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(y))
   np.testing.assert_array_equal(np.asarray(got), want)
   np.testing.assert_array_equal(np.asarray(got)[:, l - 1], x[:, l - 1])  # untouched
+
+
+# ----------------------------------------------------------------------------
+# Compacted early exit (phases of buffers) on the same toys.
+
+
+def toy_phase_fn(conv, exit_at):
+  """phase_fn for early_exit_compacted: a slot's state grows while its counter is below
+  its token's conv (the step updates every slot, exited ones included), it wants to exit
+  once the counter reaches exit_at, and the carry counts the loops each token ran live."""
+  conv, exit_at = jnp.asarray(conv), jnp.asarray(exit_at)
+
+  def phase(idx, s):
+    del s
+    conv_c, exit_c = (recurrence.gather_rows(x, idx) for x in (conv, exit_at))
+
+    def step(live, s_c, carry, i):
+      del i
+      s_new = s_c + (s_c[..., :1] < conv_c[..., None]).astype(s_c.dtype)
+      put = jnp.where(live, idx, L)  # only live slots write into the carry
+      carry = carry.at[jnp.arange(B)[:, None], put].add(1, mode='drop')
+      return s_new, s_new[..., 0] >= exit_c, carry
+    return step
+  return phase
+
+
+@pytest.mark.parametrize('min_loops,max_loops,check_every', [(1, 10, 1), (3, 10, 2), (2, 9, 3)])
+def test_early_exit_compacted_matches_brute_force(min_loops, max_loops, check_every):
+  """Depths, frozen states, the live-only carry and the executed slots of the phased run
+  against a per-token simulation (slots: B x the smallest capacity holding the fullest
+  row's active tokens, at every loop)."""
+  conv, s0 = toy_problem(min_loops * 100 + max_loops * 10 + check_every + 7, c_max=9)
+  exit_at = np.random.default_rng(check_every).integers(1, 8, (B, L)).astype(np.float32)
+  active0 = np.ones((B, L), bool)
+  active0[0, :2] = False  # e.g. left padding
+  active0[2, 1] = False
+  caps = recurrence.capacities(L, 2)
+  assert len(caps) > 2, caps  # several phases
+  out = jax.jit(lambda s: recurrence.early_exit_compacted(
+      toy_phase_fn(conv, exit_at), s, jnp.zeros((B, L), jnp.int32), caps=caps,
+      min_loops=min_loops, max_loops=max_loops, check_every=check_every,
+      active0=jnp.asarray(active0)))(jnp.asarray(s0))
+  want_depth, want_state = reference_early_exit(
+      conv, s0, lambda new, old, i: new[0] >= 0, min_loops, max_loops, check_every, active0)
+  for bi, ti in itertools.product(range(B), range(L)):  # the toy's own criterion
+    want_depth[bi, ti], want_state[bi, ti] = 0, s0[bi, ti]
+    if not active0[bi, ti]:
+      continue
+    s = s0[bi, ti].copy()
+    for i in range(1, max_loops + 1):
+      s = s + (1.0 if s[0] < conv[bi, ti] else 0.0)
+      want_depth[bi, ti] = i
+      if i >= min_loops and (i - min_loops) % check_every == 0 and s[0] >= exit_at[bi, ti]:
+        break
+    want_state[bi, ti] = s
+  assert len(np.unique(want_depth[active0])) > 2, want_depth
+  assert np.any(exit_at < conv), 'exited tokens would not change state: frozen untested'
+  np.testing.assert_array_equal(np.asarray(out.depth), want_depth)
+  np.testing.assert_array_equal(np.asarray(out.state), want_state)  # bitwise
+  np.testing.assert_array_equal(np.asarray(out.carry), want_depth)
+  assert int(out.loops) == want_depth.max()
+  per_loop = [(want_depth >= i).sum(axis=1).max() for i in range(1, want_depth.max() + 1)]
+  assert int(out.slots) == B * sum(min(c for c in caps if c >= n) for n in per_loop)
+  assert int(np.sum(np.asarray(out.phase_slots))) == int(out.slots)
+
+
+@pytest.mark.parametrize('cap', [2, 3, 5])
+def test_right_aligned_matches_a_python_loop(cap):
+  """Per row: the active positions in increasing order in the last slots, L before them."""
+  active = np.random.default_rng(cap).random((4, 5)) < 0.4
+  active[:, :5 - cap] = False  # at most cap active tokens per row
+  got = np.asarray(recurrence.right_aligned(jnp.asarray(active), cap))
+  for row, a in zip(got, active):
+    pos = [t for t in range(5) if a[t]]
+    np.testing.assert_array_equal(row, [5] * (cap - len(pos)) + pos)
