@@ -337,16 +337,25 @@ def test_generation_arguments_are_checked_before_any_work():
     decoding.decode_step(mdl, cache, p[:, 0], 0, config.ExitConfig(max_loops=0), rng)
 
 
-def test_gated_check_keeps_its_gate_on_every_decode_path():
-  """gated_kl through decode_step's general path (given depths, trace) honours exit.gate as
-  its fast path does: a no-op depth cap changes no depth."""
+def _gated_setup(kl_percentile, delta_percentile):
+  """(model, loops r, new tokens n, rng, prompts [2, 4], gated_kl config) with eps and gate
+  at percentiles of the model's own per-loop KL and state change at uniform depth r."""
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
   r, n, rng = 7, 6, jax.random.key(0)
   p = jnp.asarray([[3, 17, 5, 9], [40, 2, 31, 0]], jnp.int32)
   tr = inference.score(mdl, p, config.ExitConfig(policy='uniform', depth=r), rng,
                        trace=True).traces
-  cfg = config.ExitConfig(policy='gated_kl', eps=float(np.percentile(tr['kl'][1:], 70)),
-                          gate=float(np.percentile(tr['delta'][1:], 70)), max_loops=r)
+  cfg = config.ExitConfig(policy='gated_kl',
+                          eps=float(np.percentile(tr['kl'][1:], kl_percentile)),
+                          gate=float(np.percentile(tr['delta'][1:], delta_percentile)),
+                          max_loops=r)
+  return mdl, r, n, rng, p, cfg
+
+
+def test_gated_check_keeps_its_gate_on_every_decode_path():
+  """gated_kl through decode_step's general path (given depths, trace) honours exit.gate as
+  its fast path does: a no-op depth cap changes no depth."""
+  mdl, r, n, rng, p, cfg = _gated_setup(70, 70)
   _, fast = decoding.generate(mdl, p, n, cfg, rng)
   _, capped = decoding.generate(mdl, p, n, cfg, rng, depth_BxN=jnp.full((2, n), r, jnp.int32))
   assert np.asarray(fast).min() < r  # tokens exit
@@ -437,13 +446,7 @@ def test_pick_refuses_an_infinite_temperature():
 def test_batched_gated_generation_equals_per_row_generation():
   """gated_kl in a batch: a row whose state still changes (delta >= gate) does not exit on
   a check that another row's gate opened; each row equals its batch-1 generation."""
-  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(0))
-  r, n, rng = 7, 6, jax.random.key(0)
-  p = jnp.asarray([[3, 17, 5, 9], [40, 2, 31, 0]], jnp.int32)
-  tr = inference.score(mdl, p, config.ExitConfig(policy='uniform', depth=r), rng,
-                       trace=True).traces
-  cfg = config.ExitConfig(policy='gated_kl', eps=float(np.percentile(tr['kl'][1:], 80)),
-                          gate=float(np.percentile(tr['delta'][1:], 30)), max_loops=r)
+  mdl, r, n, rng, p, cfg = _gated_setup(80, 30)
   gen = jax.jit(lambda x: decoding.generate(mdl, x, n, cfg, rng))
   toks, depth = gen(p)
   assert np.any(np.asarray(depth) < r)  # tokens exit

@@ -218,7 +218,8 @@ def toy_closures(conv, want_fn=None):
 
 
 def reference_early_exit(conv, s0, want_fn, min_loops, max_loops, check_every, active0):
-  """Brute-force per-token simulation of the documented semantics."""
+  """Brute-force per-token simulation of the documented semantics; want_fn(new, old, i,
+  (b, t)) says whether token (b, t) wants to exit at loop i."""
   depth = np.zeros((B, L), np.int64)
   final = s0.copy()
   for bi, ti in itertools.product(range(B), range(L)):
@@ -228,7 +229,7 @@ def reference_early_exit(conv, s0, want_fn, min_loops, max_loops, check_every, a
     for i in range(1, max_loops + 1):
       new = s + (1.0 if s[0] < conv[bi, ti] else 0.0)
       depth[bi, ti] = i
-      want = want_fn(new, s, i)
+      want = want_fn(new, s, i, (bi, ti))
       s = new
       consult = i >= min_loops and (i - min_loops) % check_every == 0
       if consult and want:
@@ -250,7 +251,7 @@ def test_early_exit_matches_brute_force(min_loops, max_loops, check_every):
       return_check=True))(
           jnp.asarray(s0), jnp.zeros((B, L), jnp.int32))
   want_depth, want_state = reference_early_exit(
-      conv, s0, lambda new, old, i: np.all(new == old), min_loops, max_loops, check_every,
+      conv, s0, lambda new, old, i, _: np.all(new == old), min_loops, max_loops, check_every,
       active0)
   np.testing.assert_array_equal(np.asarray(out.depth), want_depth)
   np.testing.assert_array_equal(np.asarray(out.state), want_state)  # bitwise
@@ -372,19 +373,9 @@ def test_early_exit_compacted_matches_brute_force(min_loops, max_loops, check_ev
       toy_phase_fn(conv, exit_at), s, jnp.zeros((B, L), jnp.int32), caps=caps,
       min_loops=min_loops, max_loops=max_loops, check_every=check_every,
       active0=jnp.asarray(active0)))(jnp.asarray(s0))
-  want_depth, want_state = reference_early_exit(
-      conv, s0, lambda new, old, i: new[0] >= 0, min_loops, max_loops, check_every, active0)
-  for bi, ti in itertools.product(range(B), range(L)):  # the toy's own criterion
-    want_depth[bi, ti], want_state[bi, ti] = 0, s0[bi, ti]
-    if not active0[bi, ti]:
-      continue
-    s = s0[bi, ti].copy()
-    for i in range(1, max_loops + 1):
-      s = s + (1.0 if s[0] < conv[bi, ti] else 0.0)
-      want_depth[bi, ti] = i
-      if i >= min_loops and (i - min_loops) % check_every == 0 and s[0] >= exit_at[bi, ti]:
-        break
-    want_state[bi, ti] = s
+  want_depth, want_state = reference_early_exit(  # the toy's own criterion
+      conv, s0, lambda new, old, i, bt: new[0] >= exit_at[bt], min_loops, max_loops,
+      check_every, active0)
   assert len(np.unique(want_depth[active0])) > 2, want_depth
   assert np.any(exit_at < conv), 'exited tokens would not change state: frozen untested'
   np.testing.assert_array_equal(np.asarray(out.depth), want_depth)
