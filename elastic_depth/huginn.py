@@ -241,7 +241,7 @@ def _check_tree(params: dict, m: ModelConfig) -> None:
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from elastic_depth.model import LoopedLM  # pylint: disable=g-import-not-at-top
   abstract = nnx.state(nnx.eval_shape(lambda: LoopedLM(m, nnx.Rngs(0))), nnx.Param)
-  want = jax.tree.map(lambda x: tuple(x.shape), abstract.to_pure_dict())
+  want = jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(abstract))
   got = jax.tree.map(lambda x: tuple(x.shape), params)
   if want != got:
     raise HuginnError(f'internal: converted parameters {got} differ from the model {want}')

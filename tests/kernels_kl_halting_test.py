@@ -292,7 +292,7 @@ def test_reference_kl_with_masked_logits_is_finite_and_exact():
   lp = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
   lq = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
   p = np.exp(lp)
-  want = np.sum(np.where(p > 0, p * (lp - lq), 0.0), axis=-1)
+  want = np.sum(p * np.where(p > 0, lp - lq, 0.0), axis=-1)  # 0 log 0 = 0
   assert np.all(np.isfinite(np.asarray(kl_N)))
   np.testing.assert_allclose(kl_N, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(argmax_N, np.argmax(a, -1))

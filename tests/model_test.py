@@ -319,7 +319,7 @@ def test_bucketed_loop_honours_backprop_depth(make_config):
   first r - 1 loops are under stop_gradient (and differs from the full gradient)."""
   cfg = make_config(depth=dict(backprop_depth=1, buckets=(1, 3), r_max=3))
   graphdef, params = nnx.split(model_lib.build_model(cfg.model, seed=1), nnx.Param)
-  params = params.to_pure_dict()
+  params = nnx.to_pure_dict(params)
   tokens = jnp.asarray(np.random.default_rng(18).integers(0, 64, (1, 5)), jnp.int32)
   idx = 1  # 3 loops (the switch's other branch: 1 loop)
 

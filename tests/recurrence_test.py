@@ -27,7 +27,7 @@ def core(model_cfg):
   # A single-block core keeps compile times down; the loop structure is what matters.
   mdl = model_lib.LoopedLM(dataclasses.replace(model_cfg, n_core=1, n_coda=0), nnx.Rngs(0))
   graphdef, state = nnx.split(mdl, nnx.Param)
-  params = state.to_pure_dict()
+  params = nnx.to_pure_dict(state)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, (2, 8)), jnp.int32)
   proj = jnp.asarray(rng.normal(size=(2, 8, model_cfg.d_model)), jnp.float32)
