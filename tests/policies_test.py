@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import kl_logits_np
 from elastic_depth import config as config_lib
 from elastic_depth import policies
 
@@ -347,13 +348,6 @@ def test_readout_counts_per_token_follow_the_active_mask():
   assert 0 < want_BxL.min() < want_BxL.max() < len(reads) + 1
 
 
-def _np_kl(a, b):
-  """Float64 KL(softmax a || softmax b) over the last axis."""
-  la = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
-  lb = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
-  return np.sum(np.exp(la) * (la - lb), -1)
-
-
 def test_reverse_kl_check_is_kl_of_the_previous_distribution_from_the_new():
   """reverse_kl exits where KL(p_{i-1} || p_i) < eps (float64 numpy), and a trace records
   both directions, which differ here."""
@@ -361,7 +355,7 @@ def test_reverse_kl_check_is_kl_of_the_previous_distribution_from_the_new():
   w = r.normal(size=(10, 8))
   s = [r.normal(size=(2, 6, 8)) * np.array([0.3, 1.5])[:, None, None] for _ in range(3)]
   logits = [x @ w.T for x in s]
-  fwd, rev = _np_kl(logits[2], logits[1]), _np_kl(logits[1], logits[2])
+  fwd, rev = kl_logits_np(logits[2], logits[1]), kl_logits_np(logits[1], logits[2])
   assert np.median(np.abs(fwd - rev) / rev) > 0.05
   gap = np.where(rev < np.median(rev) * 2, np.abs(fwd - rev) / rev, 0.0)
   j = np.unravel_index(np.argmax(gap), gap.shape)
