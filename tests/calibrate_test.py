@@ -2,10 +2,13 @@
 
 import math
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from elastic_depth import calibrate
+from conftest import exit_model_config
+from elastic_depth import calibrate, model as model_lib
 
 # true risk of each threshold, increasing; several sit just above delta = 0.1
 P_TRUE = np.array([0.0, 0.02, 0.04, 0.06, 0.08, 0.09, 0.095, 0.1, 0.105, 0.11, 0.12, 0.15,
@@ -134,3 +137,78 @@ def test_calibrate_tests_the_grid_in_order_and_reports_the_chosen_eps():
   m = mask.astype(np.float64)
   assert res['heldout']['mean_loops'] == pytest.approx(2.0)
   assert res['heldout']['loss'] == pytest.approx(((ref + rise[1]) * m).sum() / m.sum())
+
+
+def _scores(nll_GxNxL, argmax_GxNxL, ref_nll_NxL, ref_argmax_NxL):
+  """score_grid's output, hand-made (every token at depth 1 on every grid point)."""
+  return {'nll': nll_GxNxL, 'argmax': argmax_GxNxL, 'depth': np.ones(np.shape(nll_GxNxL), np.int32),
+          'ref_nll': ref_nll_NxL, 'ref_argmax': ref_argmax_NxL}
+
+
+def test_argmax_risk_is_a_share_whatever_the_loss_bound():
+  """risk=argmax: a unit's risk is the share of its scored tokens whose argmax moved, tested
+  on [0, 1] whatever `bound` (which clips the loss risk only): p-values by brute force."""
+  rng = np.random.default_rng(5)
+  g, n, l, delta, alpha = 3, 80, 5, 0.2, 0.1
+  ref_am = rng.integers(0, 4, (n, l))
+  moved = rng.random((g, n, l)) < np.array([0.0, 0.05, 0.6])[:, None, None]
+  mask = (rng.random((n, l)) < 0.8).astype(np.float32)
+  mask[:, 0] = 1
+  ref_nll = rng.random((n, l))
+  scores = _scores(np.stack([ref_nll] * g), np.where(moved, (ref_am + 1) % 4, ref_am), ref_nll,
+                   ref_am)
+  share = [np.mean([moved[j, i][mask[i] > 0].mean() for i in range(n)]) for j in range(g)]
+  ps = [calibrate.p_hoeffding_bentkus(s, n, delta) for s in share]
+  assert ps[1] <= alpha < ps[2]  # the second point is certified, the third is not
+  for bound in (0.5, 1.0, 4.0):
+    res = calibrate.calibrate(scores, mask, scores, mask, [1e-3, 1e-2, 1e-1], delta=delta,
+                              alpha=alpha, risk='argmax', bound=bound)
+    np.testing.assert_allclose(res['p_values'], ps, rtol=1e-9)
+    assert res['index'] == 1 and res['bound'] == 1.0
+    np.testing.assert_allclose(res['calibration_risk_by_eps'], share, rtol=1e-9)
+
+
+def test_calibrate_refuses_a_grid_that_is_not_increasing():
+  """Fixed-sequence testing must start at the most conservative eps: a grid out of order
+  would certify an aggressive eps first, so it is refused."""
+  ref = np.zeros((4, 3))
+  scores = _scores(np.zeros((2, 4, 3)), np.zeros((2, 4, 3), int), ref, np.zeros((4, 3), int))
+  mask = np.ones((4, 3))
+  with pytest.raises(ValueError, match='must be increasing'):
+    calibrate.calibrate(scores, mask, scores, mask, [1e-2, 1e-3], delta=0.1, alpha=0.1)
+
+
+def test_no_certified_eps_keeps_full_depth_on_both_splits():
+  """When not even the most conservative eps is certified, each split reports full depth:
+  no risk, the full-depth loss (masked mean of ref_nll, float64) and no mean loops."""
+  rng = np.random.default_rng(8)
+  n, l = 20, 6
+  ref = rng.random((n, l)) * 2
+  am = rng.integers(0, 5, (n, l))
+  mask = (rng.random((n, l)) < 0.7).astype(np.float32)
+  mask[:, 0] = 1
+  scores = _scores(np.stack([ref + 0.8, ref + 1.0]), np.stack([am, am]), ref, am)
+  res = calibrate.calibrate(scores, mask, scores, mask, [1e-3, 1e-2], delta=0.1, alpha=0.1)
+  assert res['eps'] is None and res['index'] is None and len(res['p_values']) == 1
+  loss = float((ref * mask).sum() / mask.sum())
+  for split in ('calibration', 'heldout'):
+    assert res[split]['risk'] == 0.0 and res[split]['mean_loops'] is None
+    assert res[split]['loss'] == pytest.approx(loss) == res[split]['loss_full']
+
+
+def test_mask_only_keeps_the_unscored_tokens_at_full_depth():
+  """score_grid(mask_only=True): tokens outside the mask may not exit, so they run r_max
+  loops; at an eps above every KL the scored ones exit at the first check (loop 2), as
+  every token does without mask_only."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(3))
+  rng = np.random.default_rng(4)
+  inputs = rng.integers(0, mdl.cfg.vocab_size, (2, 8)).astype(np.int32)
+  mask = (rng.random((2, 8)) < 0.5).astype(np.float32)
+  batch = {'inputs': inputs, 'targets': np.roll(inputs, -1, 1), 'mask': mask}
+  r_max = 4
+  for mask_only in (True, False):
+    got = calibrate.score_grid(mdl, [batch], [jax.random.key(1)], [1e9], r_max,
+                               mask_only=mask_only)
+    want = np.where((mask > 0) | (not mask_only), 2, r_max)
+    np.testing.assert_array_equal(got['depth'][0], want)
+  assert 0 < mask.sum() < mask.size

@@ -270,3 +270,44 @@ def test_windows_are_exactly_the_full_windows_at_every_stream_length():
         np.testing.assert_array_equal(row['targets'], row['inputs'] + 1)
       with pytest.raises(IndexError):
         w[len(w)]
+
+
+def _counting_windows(first: int, n: int, seq_len: int = 4) -> pipeline.Windows:
+  """n windows over the stream first, first + 1, ...: window i's first input is first + i*L."""
+  stream = np.arange(first, first + n * seq_len + 1, dtype=np.int32)
+  return pipeline.Windows(stream, np.zeros_like(stream), seq_len)
+
+
+def test_hosts_training_rows_make_up_the_one_host_batches():
+  """Host i's rows of training batch k are rows [i*B, (i+1)*B) of batch k of the one-host
+  stream in batches of B * hosts, across epochs: the stream does not depend on the hosts."""
+  w = _counting_windows(0, 50)
+  one = pipeline.train_dataset(w, 6, seed=3)
+  hosts = [pipeline.train_dataset(w, 2, seed=3, shard_index=i, shard_count=3) for i in range(3)]
+  for k in range(20):  # 120 windows: past the first two epochs of 50
+    np.testing.assert_array_equal(np.concatenate([h[k]['inputs'] for h in hosts]),
+                                  one[k]['inputs'])
+
+
+def test_curriculum_reads_each_stage_in_whole_passes_from_its_first_window():
+  """Window n comes from stage min(n // per_stage, last), and each stage's reads, from its
+  own first, are whole shuffled passes: every `size` consecutive reads of a stage are a
+  permutation of its windows (per_stage a multiple of no stage's size)."""
+  sizes, per_stage, seed = (3, 5, 4), 7, 2
+  stages = [_counting_windows(1000 * j, size) for j, size in enumerate(sizes)]
+  cur = pipeline.Curriculum(stages, per_stage=per_stage, seed=seed)
+  n_all = 2 * per_stage + 5 * sizes[-1]
+  read = [divmod(int(cur[n]['inputs'][0]), 1000) for n in range(n_all)]  # (stage, 4 * window)
+  assert [j for j, _ in read] == [min(n // per_stage, 2) for n in range(n_all)]
+  for j, size in enumerate(sizes):
+    windows = [x // 4 for s, x in read if s == j]
+    passes = [sorted(windows[a:a + size]) for a in range(0, len(windows) - size + 1, size)]
+    assert passes and all(p == list(range(size)) for p in passes), (j, windows)
+
+
+def test_more_hosts_than_training_windows_are_refused():
+  """Every host needs a training window: a shard count above the windows is refused."""
+  n = synth_data().stats['train_windows']
+  with pytest.raises(DataError, match=f'{n} training windows for {n + 1} hosts'):
+    synth_data(shard_count=n + 1)
+  assert synth_data(shard_count=n, shard_index=n - 1).stats['train_windows'] == n

@@ -303,3 +303,14 @@ def test_prepare_refuses_loss_on_answers_before_writing_anything(tmp_path):
     with pytest.raises(DataError, match='data.loss_on=answers: prepared shards hold token ids'):
       prepare(cfg, tmp_path / 'out')
     assert not (tmp_path / 'out').exists()
+
+
+def test_validation_shards_hold_twice_val_fraction_of_a_training_shard(tmp_path):
+  """shard_tokens is a training shard; a validation shard holds 2 * val_fraction of it (at
+  most as much): every validation shard but the last has that size."""
+  corpus = write_corpus(tmp_path / 'c.jsonl', 300)
+  for frac, val_shard in ((0.1, 400), (0.7, 2000)):  # 2 * 0.1 * 2000; min(1.4, 1) * 2000
+    index = prepare(text_cfg(corpus, val_fraction=frac), tmp_path / f'out{frac}')
+    assert index['shard_tokens'] == {'train': 2000, 'val': val_shard}
+    sizes = [s['tokens'] for s in index['splits']['val']['shards']]
+    assert len(sizes) > 1 and set(sizes[:-1]) == {val_shard}

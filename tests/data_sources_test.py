@@ -194,3 +194,36 @@ def test_tfds_local_array_record(tiny_tfds):
   corpus = sources.load(cfg)
   assert sorted(corpus.train) == sorted(f't story {i}' for i in range(12))
   assert sorted(corpus.val) == sorted(f'v story {i}' for i in range(3))
+
+
+def test_holdout_keeps_a_document_on_each_side_at_any_fraction():
+  """round(n * val_fraction) documents are held out, clipped to [1, n - 1]: neither split
+  is ever empty, and together they are the documents."""
+  for n in (2, 3, 10, 41):
+    docs = [f'doc {i}' for i in range(n)]
+    for frac in (0.01, 0.2, 0.5, 0.9, 0.99):
+      corpus = sources.holdout_split(docs, DataConfig(val_fraction=frac, seed=n), 'x')
+      n_val = min(max(round(n * frac), 1), n - 1)
+      assert (len(corpus.val), len(corpus.train)) == (n_val, n - n_val), (n, frac)
+      assert sorted(corpus.train + corpus.val) == sorted(docs)
+
+
+def test_a_glob_reads_the_files_it_matches_not_its_folders(tmp_path):
+  (tmp_path / 'a.txt').write_text('one<|endoftext|>two', encoding='utf-8')
+  (tmp_path / 'sub').mkdir()
+  (tmp_path / 'sub' / 'b.txt').write_text('three', encoding='utf-8')
+  assert sources.read_documents(f'{tmp_path}/*', DataConfig()) == ['one', 'two']
+
+
+def test_a_shared_file_is_caught_under_another_name(tmp_path, monkeypatch):
+  """check_disjoint compares files, not spellings: a training path given relative to the
+  working directory, or a symlink to the validation file, is still the same file."""
+  (tmp_path / 'd').mkdir()
+  for name in ('a.txt', 'v.txt'):
+    (tmp_path / 'd' / name).write_text(f'{name} text', encoding='utf-8')
+  (tmp_path / 'link.txt').symlink_to(tmp_path / 'd' / 'v.txt')
+  monkeypatch.chdir(tmp_path)
+  for paths in ('d', 'd/*.txt', str(tmp_path / 'link.txt')):
+    with pytest.raises(DataError, match='share 1 file'):
+      sources.check_disjoint(paths, str(tmp_path / 'd' / 'v.txt'))
+  sources.check_disjoint('d/a.txt', str(tmp_path / 'd' / 'v.txt'))  # disjoint: no error

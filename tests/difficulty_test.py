@@ -96,3 +96,28 @@ def test_report_fields_against_the_trace_and_the_frontier():
     if name != 'confidence_answers':  # its own grid reaches full depth: a gain of ~0
       assert abs(gain) > 1e-4, name  # a flipped sign could not pass
     assert v['best_gain_same_loops'] == pytest.approx(gain, rel=1e-6, abs=1e-7), name
+
+
+def test_report_losses_by_k_at_every_depth_and_a_mean_that_rounds_up():
+  """ref_depth 3.6 rounds to depth 4: the training-mean loss by k is the uniform trace's at
+  depth 4, and loss_by_k_r holds every depth r = 1..R (float64 means over each k's answers)."""
+  r_max = 5
+  mdl, batches, rng, trace = traced_setup(r_max, 8, 2)
+  res = difficulty.report(mdl, batches, rng, r_max, 3.6, eps_grid=[1e-1])
+  diff, sel = trace.difficulty, (trace.mask > 0) & (trace.difficulty > 0)
+  nll = trace.stats['nll'].astype(np.float64)
+  by_k = lambda nll_NxL: [nll_NxL[sel & (diff == k)].mean() for k in res['k']]
+  np.testing.assert_allclose(res['loss_train_mean'], by_k(nll[4 - 1]), rtol=1e-6)
+  assert len(res['loss_by_k_r']) == r_max
+  for r in range(r_max):
+    np.testing.assert_allclose(res['loss_by_k_r'][r], by_k(nll[r]), rtol=1e-6)
+
+
+def test_a1_point_is_the_headline_else_the_best_gap_to_a0():
+  """The A1 point on a curve: its headline's index, else the point furthest below A0 at
+  equal loops (the smallest gap, loss minus A0's)."""
+  gaps = [0.3, -0.02, 0.1, -0.2, 0.0]
+  h = {'best': None, 'frontier': {'gap_same_loops': gaps}}
+  assert difficulty._a1_point(h) == min(range(len(gaps)), key=gaps.__getitem__) == 3
+  h['best'] = {'index': 2}
+  assert difficulty._a1_point(h) == 2

@@ -141,3 +141,35 @@ def test_leaf_specs_split_the_named_axis_and_replicate_the_rest():
     distributed.leaf_spec([jax.tree_util.DictKey('w_up_DxF')], np.zeros((6, 8)), 'D', 4)
   with pytest.raises(ConfigError, match='does not divide'):
     distributed.make_mesh(jax.devices()[:1], fsdp=2)
+
+
+def test_initialize_joins_nothing_without_a_cluster_or_arguments(monkeypatch):
+  """One process (no arguments and no launcher in the environment, or num_processes=1):
+  nothing to join, and jax.distributed is never called."""
+  for name in distributed.CLUSTER_ENV:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(jax.distributed, 'initialize', lambda *a, **k: pytest.fail('joined'))
+  assert distributed.initialize() is False
+  assert distributed.initialize(num_processes=1) is False
+
+
+def test_mesh_rows_are_data_replicas_of_fsdp_devices():
+  """make_mesh: devices / fsdp rows along `data`, fsdp devices along `fsdp` (one host device
+  repeated stands in for n devices: the mesh's shape is what is checked)."""
+  device = jax.devices()[0]
+  for n, fsdp in ((4, 1), (8, 2), (6, 3), (4, 4)):
+    mesh = distributed.make_mesh([device] * n, fsdp=fsdp)
+    assert dict(mesh.shape) == {'data': n // fsdp, 'fsdp': fsdp}
+
+
+def test_leaf_specs_read_the_innermost_name_of_a_nested_state():
+  """A TrainState's leaves sit under params/<module>/<index>/... and optimizer states: the
+  suffix is read from the leaf's own (innermost) name."""
+  tree = {'params': {'coda': [{'attn': {'wq_DxHxK': np.zeros((8, 2, 4))}}],
+                     'norm': {'scale': np.zeros(8)}},
+          'opt_state': ({'mu': {'w_up_DxF': np.zeros((8, 6))}}, np.zeros(()))}
+  specs = jax.tree_util.tree_map_with_path(
+      lambda p, x: distributed.leaf_spec(p, x, 'D', 4), tree)
+  assert specs == {'params': {'coda': [{'attn': {'wq_DxHxK': P('fsdp', None, None)}}],
+                              'norm': {'scale': P()}},
+                   'opt_state': ({'mu': {'w_up_DxF': P('fsdp', None)}}, P())}

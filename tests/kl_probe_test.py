@@ -339,3 +339,47 @@ def test_books_count_the_probe_every_loop():
   with_probe = books.check_cost(mcfg, 4.0, 1.0, 1.0, 16, probe_size=(8, 16))
   loop = model_lib.flops_per_token(mcfg, 0, 16)['loop']
   assert with_probe - base == pytest.approx(policies.probe_flops((8, 16), mcfg.d_model) / loop)
+
+
+def test_squares_censor_the_pairs_at_the_floor():
+  """The squares objective per pair, in float64: (estimate - log KL)^2 above the floor; at
+  the floor (float32, as a harvest stores it) only an estimate above the floor counts."""
+  r = np.random.default_rng(13)
+  pred = r.uniform(-25, 6, 400).astype(np.float32)
+  y = r.uniform(-15, 6, 400).astype(np.float32)
+  floored = r.random(400) < 0.3
+  y[floored] = kl_probe.LOG_FLOOR
+  floor = np.float64(np.float32(kl_probe.LOG_FLOOR))
+  p64 = pred.astype(np.float64)
+  want = np.where(floored, np.maximum(p64 - floor, 0.0), p64 - y) ** 2
+  got = np.asarray(kl_probe._OBJECTIVES[kl_probe.Objective.SQUARES](jnp.asarray(pred),
+                                                                    jnp.asarray(y)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert (got[floored] == 0).any() and (got[floored] > 0).any()  # estimates on both sides
+
+
+def test_harvest_pairs_each_token_loop_from_its_run_records(monkeypatch):
+  """The pairs harvest assembles from a run's records (faked: states, KL and the loops each
+  token ran): each token's loops 2..depth, loop by loop, with s_i - s_{i-1}, s_i and
+  log KL_i, which the floor censors (KL < 1e-7, zero included, reads LOG_FLOOR) and leaves
+  exact above it (float64)."""
+  r_max, b, l, d = 4, 2, 3, 5
+  r = np.random.default_rng(17)
+  s = r.normal(size=(r_max, b, l, d)).astype(np.float32)
+  kl = np.exp(r.uniform(np.log(1e-10), 0, (r_max, b, l))).astype(np.float32)
+  kl[1, 0, 0] = 0.0
+  depth = np.array([[4, 2, 3], [1, 4, 4]])
+  ran = np.stack([depth >= i for i in range(1, r_max + 1)])
+  monkeypatch.setattr(kl_probe, '_parallel_run', lambda mdl, r_max, rng: lambda batch: (s, kl, ran))
+  h = kl_probe.harvest(None, [{}], r_max, None)
+  want = [(i, row, col) for i in range(2, r_max + 1) for row in range(b) for col in range(l)
+          if depth[row, col] >= i]
+  np.testing.assert_array_equal(h.loops_N, [i for i, _, _ in want])
+  np.testing.assert_array_equal(h.states_NxD, [s[i - 1, row, col] for i, row, col in want])
+  np.testing.assert_allclose(h.delta_NxD, [s[i - 1, row, col] - s[i - 2, row, col]
+                                           for i, row, col in want], rtol=1e-6)
+  k = np.array([kl[i - 1, row, col] for i, row, col in want], np.float64)
+  with np.errstate(divide='ignore'):
+    np.testing.assert_allclose(h.log_kl_N, np.maximum(np.log(k), kl_probe.LOG_FLOOR),
+                               rtol=1e-6)
+  assert (k == 0).any() and (k < 1e-7).sum() > 1 and ((k > 1e-7) & (k < 1e-5)).any()

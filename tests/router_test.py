@@ -164,3 +164,12 @@ def test_evaluate_against_numpy():
   assert ev['ece'] == pytest.approx(ece, abs=1e-6)
   assert [(row['bin'], row['n']) for row in ev['reliability']] == rows
   assert len(rows) > 3  # the bins are exercised
+
+
+def test_batch_tokens_span_exactly_the_targets_of_the_batches():
+  """[start, end) is the first target position of batch `first` and one past the last of
+  batch first + count - 1, enumerated window by window (window i predicts i*L+1..i*L+L)."""
+  for first, count, b, l in [(0, 1, 4, 16), (2, 3, 2, 5), (1, 1, 1, 1), (3, 2, 6, 7)]:
+    targets = [w * l + t for w in range(first * b, (first + count) * b) for t in range(1, l + 1)]
+    start, end = router.batch_tokens(first, count, b, l)
+    assert list(range(start, end)) == targets, (first, count, b, l)

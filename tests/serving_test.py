@@ -397,3 +397,36 @@ def test_serving_gated_kl_rows_equal_their_own_generation():
       prompts, eps_B, jnp.asarray(PLEN, jnp.int32))
   assert len(np.unique(np.asarray(out.depth))) > 1
   _assert_rows_equal_alone(_alone(mdl, cfg, rng), eps_B, out)
+
+
+def test_the_first_check_is_at_loop_2_with_min_loops_1(setup):
+  """min_loops=1: a check compares loop i with loop i - 1, so the first is at loop 2, as in
+  decoding: at an eps above every KL each token exits there, and rows equal their own
+  lockstep generation."""
+  mdl, rng, _, _, _ = setup
+  cfg = config.ExitConfig(policy='kl', eps=1e9, max_loops=R, min_loops=1)
+  out = jax.jit(lambda p, n: serving.generate(mdl, p, N, cfg, rng, prompt_len_B=n))(
+      jnp.asarray(PROMPTS, jnp.int32), jnp.asarray(PLEN, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(out.depth), np.full((len(PROMPTS), N), 2))
+  _assert_rows_equal_alone(_alone(mdl, cfg, rng), jnp.full(len(PROMPTS), 1e9), out)
+
+
+def test_run_until_stops_at_the_slowest_rows_count_and_resumes(setup):
+  """run(until=2) stops once every row has 2 tokens (the slowest has exactly 2); each row's
+  tokens and depths so far are the full run's, and running on from that State gives the
+  full generation."""
+  mdl, rng, cfg, eps_B, out = setup
+
+  def fn(p, e, n):
+    st, _, e = serving.start(mdl, p, N, cfg, rng, eps_B=e, prompt_len_B=n)
+    part = serving.run(mdl, st, cfg, rng, e, until=2)
+    return part, serving.run(mdl, part, cfg, rng, e)
+  part, full = jax.jit(fn)(jnp.asarray(PROMPTS, jnp.int32), eps_B, jnp.asarray(PLEN, jnp.int32))
+  n = np.asarray(part.n)
+  assert n.min() == 2, n
+  for b, p in enumerate(PLEN):
+    np.testing.assert_array_equal(np.asarray(part.depth[b, :n[b]]), np.asarray(out.depth[b, :n[b]]))
+    np.testing.assert_array_equal(np.asarray(part.tokens[b, :p + n[b]]),
+                                  np.asarray(out.tokens[b, :p + n[b]]))
+  np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(out.tokens))
+  np.testing.assert_array_equal(np.asarray(full.depth), np.asarray(out.depth))

@@ -70,3 +70,33 @@ def test_each_timed_call_reports_the_cpu_time_and_faults_it_caused():
   assert all(u.user_s + u.sys_s >= 0.04 for u in t.usage['spin'])
   assert max(u.minor_faults for u in t.usage['spin']) < min(
       u.minor_faults for u in t.usage['touch'])
+
+
+def test_a_computing_call_is_user_time():
+  """0.1 s of pure computation (the CPU clock read once per ~1 ms of arithmetic; a tight
+  loop of clock reads would be kernel time) is reported as user time, not kernel time."""
+  def compute():
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.1:
+      sum(range(100_000))
+    return jnp.ones(1)
+  t = timing.interleaved({'compute': compute}, repeats=2, warmup=0)
+  assert all(u.user_s >= 0.08 and u.user_s > 2 * u.sys_s for u in t.usage['compute'])
+
+
+def test_the_timed_call_waits_for_its_result():
+  """A result still pending when f returns (its block_until_ready waits 0.05 s): the time
+  of the call includes that wait."""
+  class Pending:
+    def block_until_ready(self):
+      time.sleep(0.05)
+      return self
+  t = timing.interleaved({'f': Pending}, repeats=2, warmup=0)
+  assert all(s >= 0.05 for s in t.times['f'])
+
+
+def test_each_round_records_the_one_minute_load(monkeypatch):
+  """loads holds os.getloadavg()'s 1-minute average at the start of each timed round."""
+  monkeypatch.setattr(timing.os, 'getloadavg', lambda: (0.25, 7.0, 9.0))
+  t = timing.interleaved({'f': lambda: None}, repeats=3, warmup=1)
+  assert t.loads == [0.25] * 3
