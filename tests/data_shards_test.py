@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -314,3 +315,26 @@ def test_validation_shards_hold_twice_val_fraction_of_a_training_shard(tmp_path)
     assert index['shard_tokens'] == {'train': 2000, 'val': val_shard}
     sizes = [s['tokens'] for s in index['splits']['val']['shards']]
     assert len(sizes) > 1 and set(sizes[:-1]) == {val_shard}
+
+
+def test_prepare_data_summary_counts_what_the_shards_hold(tmp_path, main_cases):
+  """The main's last line gives, per split, the documents (EOS tokens), tokens (uint16 ids)
+  and shard files written; --batch_docs=0 is one line, exit 2, before any work."""
+  corpus = write_corpus(tmp_path / 'c.jsonl', 300)
+  out = tmp_path / 'out'
+  args = ['--config.data.source=text', f'--config.data.paths={corpus}',
+          '--config.data.val_fraction=0.1', '--config.model.vocab_size=300',
+          '--shard_tokens=2000', '--quiet']
+  ok, bad = main_cases('experiments.prepare_data', [[f'--out={out}', *args],
+                                                    ['--out={tmp}/x', *args, '--batch_docs=0']])
+  assert ok['rc'] == 0, ok['stderr'][-3000:]
+  eos = tokenizer_lib.get(str(out / 'tokenizer.json'), [], 300).eos_id
+  got = {s: tuple(map(int, n)) for s, *n in
+         re.findall(r'(\w+) (\d+) docs (\d+) tokens (\d+) shards', ok['stdout'])}
+  for split in ('train', 'val'):
+    files = sorted(out.glob(f'{split}-*.bin'))
+    ids = np.concatenate([np.fromfile(f, '<u2') for f in files])
+    assert got[split] == (int((ids == eos).sum()), ids.size, len(files)), split
+  assert sum(d for d, _, _ in got.values()) == 300 and got['train'][2] > 1
+  assert bad['rc'] == 2 and bad['stderr'].startswith('error: --batch_docs'), bad['stderr']
+  assert bad['files'] == []

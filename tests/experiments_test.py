@@ -799,16 +799,236 @@ def test_float_flags_accept_their_lower_bound():
     flags_util.floats(['-1e-9'], 'eps_grid', ValueError, lower=0.0)
 
 
-def test_eval_depth_reference_depth_is_the_rounded_training_mean(workdir, tmp_path):
-  """ref_depth rounds the training mean (3.6 -> 4), as convergence's and difficulty's do;
-  the fixture's 2.5 cannot tell rounding from truncation."""
-  wd = str(tmp_path / 'mean36')
+def _with_mean(workdir, tmp_path, mean: float):
+  """A copy of the workdir whose config.json says depth.mean = mean: (its path, that config)."""
+  wd = str(tmp_path / f'mean{mean}')
   shutil.copytree(workdir, wd)
   path = os.path.join(wd, 'config.json')
   with open(path, encoding='utf-8') as f:
     cfg = json.load(f)
-  cfg['depth']['mean'] = 3.6
+  cfg['depth']['mean'] = mean
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(cfg, f)
+  return wd, cfg
+
+
+def test_eval_depth_reference_depth_is_the_rounded_training_mean(workdir, tmp_path):
+  """ref_depth rounds the training mean (3.6 -> 4), as convergence's and difficulty's do;
+  the fixture's 2.5 cannot tell rounding from truncation."""
+  wd, _ = _with_mean(workdir, tmp_path, 3.6)
   res = eval_depth.run(_opts(wd))['results']
   assert res['train_mean'] == 3.6 and res['ref_depth'] == round(3.6) == 4
+
+
+def test_saturation_depth_and_table_by_brute_force_over_each_runs_losses(tmp_path, main_cases):
+  """The saturation depth is the smallest depth within delta of the run's best loss (not its
+  deepest one's), delta = 0 included; the table's loss @d and best columns are the report's;
+  a report whose losses and depths differ in length is refused."""
+  from elastic_depth import reports  # pylint: disable=g-import-not-at-top
+  run, bad = str(tmp_path / 'run'), str(tmp_path / 'bad')
+  depths, loss = [1, 2, 4, 8], [3.0, 2.15, 2.0, 2.1]  # the best is not the deepest
+  reports.write(run, 'eval_depth', dict(depths=depths, loss=loss, train_mean=4), flags={},
+                checkpoint={}, markdown='')
+  reports.write(bad, 'eval_depth', dict(depths=[1, 2], loss=[2.0, 1.0, 0.5], train_mean=2),
+                flags={}, checkpoint={}, markdown='')
+  deltas = (0.1, 0.0)
+  cases = [[f'--workdirs={run}', f'--delta={d}', f'--out={tmp_path / str(d)}'] for d in deltas]
+  res = main_cases('experiments.saturation', cases + [[f'--workdirs={bad}', '--out={tmp}']])
+  for delta, r in zip(deltas, res):
+    assert r['rc'] == 0, r['stderr'][-3000:]
+    want = min(d for d, l in zip(depths, loss) if l <= min(loss) + delta)
+    out = tmp_path / str(delta) / 'reports'
+    assert _numbers(str(out / 'saturation.json'))[run]['saturation'] == want
+    md = (out / 'saturation.md').read_text().splitlines()
+    [row] = [l for l in md if l.startswith(f'| {run} ')]
+    cells = [c.strip() for c in row.strip('|').split('|')]
+    at = dict(zip(depths, loss))
+    assert cells[2:] == [str(want)] + [f'{at[d]:.4f}' for d in (1, 2, 4, 8)] + [f'{min(loss):.4f}']
+  assert res[2]['rc'] == 2 and 'empty, missing or not finite' in res[2]['stderr'], res[2]['stderr']
+
+
+def test_eval_depth_counts_the_scored_tokens_and_prints_the_best_depth(workdir, capsys):
+  """tokens counts the targets the loss weighs (mask > 0: answers only here), not every
+  position; the printed best depth is the one of least loss."""
+  opts = _opts(workdir, tag='answers', data={'loss_on': 'answers'})
+  res = eval_depth.run(opts)['results']
+  mask = np.concatenate([np.asarray(b['mask']) for b in common.load(opts).batches])
+  assert 0 < res['tokens'] == int((mask > 0).sum()) < mask.size
+  best = int(np.argmin(np.asarray(res['loss'], np.float64)))
+  assert (f"best depth {res['depths'][best]} ({res['loss'][best]:.4f})"
+          in capsys.readouterr().out)
+
+
+def test_depth_oracle_pool_weighs_each_forced_token_by_the_mask_that_predicts_it():
+  """pool_of by brute force: forced token j sits at position p + j of its window and is
+  predicted at position p + j - 1 (its weight that position's mask); a prompt and text that
+  fill the window exactly fit; text whose only scored token is predicted by the prefill
+  measures no decoding and is refused."""
+  rng = np.random.default_rng(1)
+  batches = [{'inputs': rng.integers(0, 9, (2, 12)), 'mask': rng.integers(0, 2, (2, 12))}
+             for _ in range(2)]
+  p, n = 4, 8  # p + n = the window's 12 tokens
+  pool = depth_oracle.pool_of(batches, p, n)
+  rows = [(b['inputs'][i], b['mask'][i]) for b in batches for i in range(2)]
+  for r, (toks, mask) in enumerate(rows):
+    assert list(pool['prompt'][r]) == [toks[t] for t in range(p)]
+    for j in range(n):
+      assert pool['forced'][r, j] == toks[p + j] and pool['weight'][r, j] == mask[p + j - 1]
+  first_only = [{'inputs': b['inputs'], 'mask': np.zeros((2, 12))} for b in batches]
+  first_only[0]['mask'][:, p - 1] = 1  # scores forced token 0, predicted by the prefill
+  with pytest.raises(common.SetupError, match='holds no scored token'):
+    depth_oracle.pool_of(first_only, p, n)
+
+
+def test_depth_oracle_markdown_is_cheapest_first_and_gaps_need_two_uniform_points():
+  pts = [dict(rule=r, schedule=s, mean_loops=m, loss=1.0, loops_answer=m, loops_other=m,
+              uniform_loss=None, gap=None)
+         for r, s, m in (('kl', 'kl:0.1', 3.0), ('uniform', 'uniform:2', 2.0),
+                         ('split', 'split:3,1', 2.5))]
+  res = dict(points=pts, workdir='w', step=1, windows=2, prompt_len=4, prefill_depth=2,
+             new_tokens=4, answer_share=0.5)
+  md = depth_oracle.markdown(res)
+  named = [l.split('|')[1].strip() for l in md.splitlines() if l.startswith('| ')][1:]
+  assert named == [p['schedule'] for p in sorted(pts, key=lambda p: p['mean_loops'])]
+  assert 'at least two uniform schedules' in md  # one uniform point: nothing to interpolate
+  pts.append(dict(pts[1], schedule='uniform:3', mean_loops=3.0))
+  assert 'at least two uniform schedules' not in depth_oracle.markdown(res)
+
+
+def test_depth_oracle_prefills_at_the_rounded_mean_and_may_decode_at_the_loop_cap(workdir,
+                                                                                    tmp_path):
+  """--prefill_depth=0 prefills at the training mean rounded (3.6 -> 4, not 3), and depths
+  equal to the loop cap (4 here) are allowed, for schedules and the prefill alike."""
+  wd, _ = _with_mean(workdir, tmp_path, 3.6)
+  opts = common.Options(workdir=wd, batches=1, progress=False)
+  r_max = common.load(opts).r_max
+  res = depth_oracle.run(opts, depth_oracle.OracleOptions(
+      schedules=(f'uniform:{r_max}',), prompt_len=4, new_tokens=2, prefill_depth=0))['results']
+  assert res['prefill_depth'] == round(3.6) == r_max == 4
+  assert res['points'][0]['mean_loops'] == r_max
+
+
+def test_convergence_refuses_a_kl_threshold_no_token_can_meet_or_every_token_meets(tmp_path):
+  """eps_conv = 0 (no KL is below it) and inf (every KL is) measure nothing: refused before
+  the workdir is read (a missing one here)."""
+  missing = _opts(str(tmp_path / 'no_such_workdir'))
+  for eps in (0.0, float('inf'), -1e-3):
+    with pytest.raises(common.SetupError, match=f'--eps_conv={eps} must be a finite KL'):
+      convergence.run(missing, convergence.ConvergenceOptions(eps_conv=eps))
+
+
+def test_convergence_reference_depth_is_the_depth_training_ran_at(workdir, tmp_path):
+  """A training mean above r_max ran every draw at r_max (common.train_mean): the report's
+  reference depth is r_max, not the configured mean."""
+  wd, cfg = _with_mean(workdir, tmp_path, 6.0)
+  res = convergence.run(_opts(wd))['results']
+  assert cfg['depth']['r_max'] == res['r_max'] == 4 < 6
+  assert res['ref_depth'] == min(6, cfg['depth']['r_max'])
+  assert res['argmax_depth']['share_changing_after_ref'] == 0  # nothing changes after R
+
+
+def test_sweep_delta_zero_is_a_valid_tolerance(tmp_path, main_cases):
+  """--delta=0 (the headline at exactly uniform depth's loss) passes the flag check and
+  reaches the workdir (missing here); a negative one is refused."""
+  missing = tmp_path / 'no_such_workdir'
+  zero, neg = main_cases('experiments.sweep_eps', [[f'--workdir={missing}', f'--delta={d}']
+                                                   for d in ('0', '-0.01')])
+  assert zero['rc'] == 2 and 'does not exist' in zero['stderr'], zero['stderr'][-2000:]
+  assert neg['rc'] == 2 and '--delta=-0.01 must be a finite number >= 0' in neg['stderr']
+
+
+def test_sweep_stars_a_calibrated_eps_of_zero(tmp_path):
+  """eps = 0 is a threshold calibrate_eps may certify (the smallest grid point): it is
+  starred like any other; a report that certified none (eps None) stars nothing."""
+  from elastic_depth import reports  # pylint: disable=g-import-not-at-top
+  ld = types.SimpleNamespace(step=7, r_max=4, data_cfg=config_lib.DataConfig())
+  opts = _opts(str(tmp_path))
+  for eps, want in ((0.0, [0.0]), (1e-3, [1e-3]), (None, None)):
+    reports.write(str(tmp_path), 'calibrate_eps', {'eps': eps}, flags={'r_max': 4},
+                  checkpoint={'step': 7, 'data_config': dataclasses.asdict(ld.data_cfg)},
+                  markdown='')
+    got = sweep_eps._calibrated(opts, ld)  # pylint: disable=protected-access
+    assert (list(got['calibrated'].thresholds) if got else None) == want
+
+
+def test_train_router_needs_a_held_out_batch(tmp_path):
+  """--fit_from=0 leaves no batch to evaluate on (and none for sweep_eps): refused before
+  the workdir is read."""
+  missing = _opts(str(tmp_path / 'no_such_workdir'))
+  with pytest.raises(common.SetupError, match='--fit_from=0 and --fit_batches=1 must be >= 1'):
+    train_router.run(missing, train_router.RouterOptions(fit_from=0, fit_batches=1))
+
+
+def test_router_report_scores_the_fit_batches_and_the_held_out_ones(workdir):
+  """The saved probe, evaluated on pairs harvested from batches fit_from.. (train) and
+  0..fit_from - 1 (held out), gives the report's figures; the markdown rows are those."""
+  x = train_router.RouterOptions(steps=5, lr=1e-2, max_pairs=1000, fit_from=1, fit_batches=1)
+  out = train_router.run(_opts(workdir, tag='split'), x)
+  res = _numbers(out['paths']['json'])
+  ld = common.load(common.Options(workdir=workdir, batches=2, progress=False))
+  probe, key = router_lib.load(out['router']), jax.random.key(0)
+  want = {split: router_lib.evaluate(probe, router_lib.harvest(ld.model, batches, ld.r_max, key,
+                                                               x.max_pairs))
+          for split, batches in (('train', ld.batches[1:2]), ('heldout', ld.batches[:1]))}
+  for split in ('train', 'heldout'):
+    for k in ('n', 'base_rate', 'accuracy', 'balanced_accuracy', 'ece'):
+      assert res[split][k] == pytest.approx(want[split][k], rel=1e-5, abs=1e-6), (split, k)
+  assert want['train'] != want['heldout']  # two different batches
+  with open(out['paths']['md'], encoding='utf-8') as f:
+    rows = {l.split('|')[1].strip(): l for l in f if l.startswith('| ')}
+  h = want['heldout']
+  assert rows['held-out'].startswith(f"| held-out | {h['n']} | {h['base_rate']:.3f} | "
+                                     f"{h['accuracy']:.3f} | {h['balanced_accuracy']:.3f} |")
+
+
+def test_generate_refuses_bad_flags_before_loading(tmp_path, main_cases):
+  """--wait_rows=0 (no row ever waits for a readout) and an eps count that is neither one nor
+  one per prompt: one line, exit 2, before the workdir (missing here) is read."""
+  base = [f'--workdir={tmp_path / "no_such_workdir"}', '--prompt=a', '--prompt=b']
+  got = main_cases('experiments.generate', [base + ['--wait_rows=0'],
+                                            base + ['--eps=1,2,3']])
+  for res, words in zip(got, ('--wait_rows must be >= 1, got 0', '--eps needs one value')):
+    assert res['rc'] == 2 and res['stderr'].startswith(f'error: {words}'), res['stderr']
+    assert len(res['stderr'].strip().splitlines()) == 1
+
+
+def test_generate_cli_gives_each_prompt_its_own_eps_up_to_max_len(workdir):
+  """One eps per prompt: each row decodes as decoding.generate at its own eps (0: never
+  exits, 1e9: at the first check); the longer prompt plus --max_new_tokens fills max_len
+  exactly (allowed); the summary's mean loops is the mean of the printed depths."""
+  cfg, mdl, _, _ = common.load_model(workdir)
+  vocab = synthetic.SyntheticVocab(cfg.data.synth_num_vars)
+  texts, eps = ['? 3 1 4 =', '? 2 ='], [0.0, 1e9]
+  ids = vocab.encode_batch(texts)
+  n = cfg.model.max_len - max(len(x) for x in ids)
+  out = subprocess.run([sys.executable, '-m', 'experiments.generate', f'--workdir={workdir}',
+                        *[f'--prompt={x}' for x in texts], f'--max_new_tokens={n}',
+                        f'--eps={eps[0]},{eps[1]}', '--show_depths'], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = re.findall(r'^(\d): (\S+)\[(\d+)\]$', out.stdout, re.M)
+  depths = []
+  for r, (x, e) in enumerate(zip(ids, eps)):
+    ecfg = config_lib.ExitConfig(policy='kl', eps=e, max_loops=cfg.depth.r_max)
+    toks, depth = decoding.generate(mdl, jnp.asarray(x)[None], n, ecfg, jax.random.key(0))
+    got = [(t, int(d)) for row, t, d in rows if int(row) == r]
+    assert got == [(vocab.id_to_token(t), int(d)) for t, d in zip(toks[0, len(x):], depth[0])]
+    depths += [int(d) for d in depth[0]]
+  assert set(depths[:n]) == {cfg.depth.r_max} and set(depths[n:]) == {2}
+  summary = re.search(r'mean loops (\S+) over (\d+) tokens', out.stdout)
+  assert float(summary.group(1)) == pytest.approx(np.mean(depths), abs=0.005)
+  assert int(summary.group(2)) == len(depths) == 2 * n
+
+
+def test_convergence_breaks_down_by_difficulty_only_where_a_scored_target_has_one():
+  """groups_for: the difficulty breakdown needs a scored target (mask > 0) labelled other
+  than -1 (text and padding); labels under mask 0 alone add none."""
+  vocab = synthetic.SyntheticVocab(10)
+  mask = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], np.float32)
+  diff = np.where(mask > 0, -1, 2).astype(np.int32)
+  trace = types.SimpleNamespace(targets=np.ones_like(diff), mask=mask, difficulty=diff)
+  ld = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=vocab))
+  assert set(convergence.groups_for(ld, trace)) == {'class'}
+  diff[1, 0] = 3
+  groups = convergence.groups_for(ld, trace)
+  assert set(groups) == {'class', 'difficulty'} and groups['difficulty']['hops=3'][1, 0]

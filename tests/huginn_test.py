@@ -318,3 +318,17 @@ def test_a_key_in_two_shards_is_named(tmp_path):
   with pytest.raises(snapshot.SourceError, match=r'key x is in two shards: .*a\.safetensors '
                      r'and .*b\.safetensors'):
     snapshot.scan([a, b])
+
+
+def test_dry_run_plans_the_evaluation_shape_without_a_workdir(main_cases):
+  """--dry_run needs only --src: the plan is at --batch_size x --seq_len and --r_max, the
+  sequence length by default 1024 capped at the model's block_size."""
+  block = json.loads((FIXTURE / 'config.json').read_text())['block_size']
+  got = main_cases('experiments.import_huginn', [
+      [f'--src={FIXTURE}', '--dry_run'],
+      [f'--src={FIXTURE}', '--dry_run', '--seq_len=8', '--batch_size=3', '--r_max=4']])
+  for res, want in zip(got, ((min(1024, block), 8, 32), (8, 3, 4))):
+    assert res['rc'] == 0, res['stderr'][-3000:]
+    plan = json.loads(res['stdout'])
+    assert (plan['seq_len'], plan['batch_size'], plan['r_max']) == want
+    assert plan['trace']['argument'] > 0 and res['files'] == []
