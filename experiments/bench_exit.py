@@ -284,7 +284,7 @@ def markdown(out: dict) -> str:
 
 
 def main(argv):
-  del argv
+  flags_util.no_arguments(argv)
   from experiments import common  # pylint: disable=g-import-not-at-top (after this module's flags)
   if _FAKE.value < 0 or _FAKE.value >= 1:
     raise common.SetupError(f'--fake_exit_fraction={_FAKE.value} must be in [0, 1)')

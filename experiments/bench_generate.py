@@ -89,7 +89,7 @@ def _calibrate(mdl, prompt, target: float) -> tuple[float, float]:
 
 def bench_shape(name: str) -> dict:
   """All generation variants for one shape."""
-  mcfg = config.ModelConfig(max_len=_PROMPT.value + _NEW.value + 8,
+  mcfg = config.ModelConfig(max_len=bench_util.random_model_len(_PROMPT.value, _NEW.value),
                             **bench_util.MODEL_SHAPES[name])
   ref = bench_util.reference_tok_s('generate', name, batch_size=1)
   mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(0))
@@ -121,7 +121,7 @@ def bench_shape(name: str) -> dict:
 
 
 def main(argv):
-  del argv
+  flags_util.no_arguments(argv)
   if bench_generate_batch.requested():
     bench_generate_batch.main(_calibrate)
     return

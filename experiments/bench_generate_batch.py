@@ -131,7 +131,8 @@ def _setup(calibrate):
     return mdl, pool, a0_depth, r_max, q, f'{_F.workdir} step {loaded.step}'
   if _DECODE.value == 'forced':
     raise SystemExit('error: --decode_tokens=forced needs --workdir (it feeds validation text)')
-  mcfg = config.ModelConfig(max_len=p + _F.new_tokens + 8, **bench_util.MODEL_SHAPES[_SHAPE.value])
+  mcfg = config.ModelConfig(max_len=bench_util.random_model_len(p, _F.new_tokens),
+                            **bench_util.MODEL_SHAPES[_SHAPE.value])
   mdl = model_lib.LoopedLM(mcfg, nnx.Rngs(0))
   pool = np.asarray(jax.random.randint(jax.random.key(1), (64, p), 0, mcfg.vocab_size))
   eps, _ = calibrate(mdl, jnp.asarray(pool[:1]), _F.target_loops)

@@ -78,7 +78,7 @@ def _check_flags() -> None:
 
 
 def main(argv):
-  del argv
+  flags_util.no_arguments(argv)
   _check_flags()
   scratch = tempfile.mkdtemp(prefix='bench_import-', dir=_TMP.value)  # ours alone
   try:

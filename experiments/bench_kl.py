@@ -188,7 +188,7 @@ def _ms(part):
 
 
 def main(argv):
-  del argv
+  flags_util.no_arguments(argv)
   bad = [t for t in FLAGS.v_splits if t != 'auto' and not (t.isdigit() and int(t) > 0)]
   if bad or not FLAGS.v_splits:
     raise SystemExit(f'error: --v_splits: {FLAGS.v_splits}; want auto or integers > 0')

@@ -95,6 +95,12 @@ REFERENCE_NOTE = ('reference measured elsewhere (another machine and run, see '
                   'experiments/reference_figures.json): a ratio, not a side-by-side measurement')
 
 
+def random_model_len(prompt_len: int, new_tokens: int) -> int:
+  """max_len of a benchmark's random-init model: the generation, and the eps calibration's
+  prompt followed by the prompt reversed (bench_generate._calibrate), plus slack."""
+  return max(prompt_len + new_tokens, 2 * prompt_len) + 8
+
+
 def reference_tok_s(kind: str, shape: str, **settings) -> float | None:
   """The reference tokens/s for a benchmark kind and shape, if recorded at these settings.
 
