@@ -210,6 +210,50 @@ def built_once(tmp_path_factory, worker_id: str, name: str, build,
   return wd
 
 
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory, make_config, worker_id):
+  """A trained tiny workdir for the mains' tests: trained once for both xdist workers,
+  copied for each module (the tests write reports into it)."""
+  cfg = make_config(train=dict(steps=20, eval_every=20, ckpt_every=20, log_every=10,
+                               eval_batches=1, seq_len=16, eval_depths=(1, 4)),
+                    depth=dict(buckets=(2, 4)))
+  cfg = dataclasses.replace(cfg, data=config_lib.DataConfig(synth_examples=100,
+                                                           val_fraction=0.5))
+  from elastic_depth import train  # pylint: disable=import-outside-toplevel
+  shared = built_once(tmp_path_factory, worker_id, 'experiments_tiny',
+                      lambda wd: train.run(cfg, wd, quiet=True))
+  wd = str(tmp_path_factory.mktemp('tiny'))
+  shutil.copytree(shared, wd, dirs_exist_ok=True)  # the tests write reports into it
+  return wd
+
+
+def mains_opts(wd, **kw):
+  """The measurement mains' options on wd: two batches, no progress bar."""
+  from experiments import common  # pylint: disable=import-outside-toplevel
+  return common.Options(workdir=wd, batches=2, progress=False, **kw)
+
+
+def report_results(path):
+  """A report's results, after checking that the record holds its provenance."""
+  with open(path, encoding='utf-8') as f:
+    doc = json.load(f)
+  assert {'date', 'command', 'flags', 'checkpoint', 'results'} <= set(doc)
+  return doc['results']
+
+
+def with_mean(workdir, tmp_path, mean: float):
+  """A copy of the workdir whose config.json says depth.mean = mean: (its path, that config)."""
+  wd = str(tmp_path / f'mean{mean}')
+  shutil.copytree(workdir, wd)
+  path = os.path.join(wd, 'config.json')
+  with open(path, encoding='utf-8') as f:
+    cfg = json.load(f)
+  cfg['depth']['mean'] = mean
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(cfg, f)
+  return wd, cfg
+
+
 @pytest.fixture(scope='session')
 def main_cases(tmp_path_factory, worker_id):
   """run(module, cases, files) -> one {rc, stdout, stderr, files} per case (`main_cases.py`).
