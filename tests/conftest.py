@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 
 def _share_compilations() -> str:
@@ -252,6 +253,16 @@ def with_mean(workdir, tmp_path, mean: float):
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(cfg, f)
   return wd, cfg
+
+
+def py_json(code: str):
+  """Runs code in a fresh interpreter at the repository root; returns json of its last line
+  (the benches' report math, away from the test process's absl flags)."""
+  proc = subprocess.run([sys.executable, '-c', textwrap.dedent(code)],
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope='session')
