@@ -44,7 +44,8 @@ def test_depth_oracle_reports_rules_beside_uniform_depth(workdir):
   x = depth_oracle.OracleOptions(schedules=('uniform:1', 'uniform:3', 'split:3,1',
                                             'lookahead:0.01'),
                                  prompt_len=4, new_tokens=4, prefill_depth=2)
-  out = depth_oracle.run(common.Options(workdir=workdir, batches=1, progress=False, tag='oracle'), x)
+  out = depth_oracle.run(
+      common.Options(workdir=workdir, batches=1, progress=False, tag='oracle'), x)
   pts = {p['schedule']: p for p in out['results']['points']}
   loaded = common.load(common.Options(workdir=workdir, batches=1, progress=False))
   b = loaded.batches[0]

@@ -49,7 +49,8 @@ def test_bench_generate_forced_decoding_reports_the_timed_calls_loss(workdir, tm
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads(out.read_text())
   rows = doc['batches']['2']
-  assert doc['decode_tokens'] == 'forced' and 'Forced decoding' in (tmp_path / 'forced.md').read_text()
+  assert doc['decode_tokens'] == 'forced'
+  assert 'Forced decoding' in (tmp_path / 'forced.md').read_text()
   a1 = [rows[k]['forced_loss'] for k in ('a1_depthwise', 'a1_waiting', 'a1_allrows', 'a1_lockstep')]
   assert max(a1) - min(a1) < 1e-5
   loaded = common.load(common.Options(workdir=workdir, batches=1, progress=False))
