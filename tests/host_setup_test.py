@@ -71,6 +71,8 @@ def test_kept_memory_stays_in_the_process_after_free():
 @pytest.mark.parametrize('environ,system,libc,thp', [
     ({host_setup.OPT_OUT: '0'}, 'Linux', GLIBC, 'madvise'),  # opted out
     ({host_setup.OPT_OUT: 'off'}, 'Linux', GLIBC, 'madvise'),
+    ({host_setup.OPT_OUT: 'no'}, 'Linux', GLIBC, 'madvise'),
+    ({host_setup.OPT_OUT: ' False '}, 'Linux', GLIBC, 'madvise'),
     ({'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=0'}, 'Linux', GLIBC, 'madvise'),  # user's own
     ({}, 'Darwin', ('', ''), 'madvise'),
     ({}, 'Linux', ('musl', '1.2'), 'madvise'),
@@ -93,6 +95,11 @@ def test_only_a_module_main_of_this_package_reexecutes():
   assert not host_setup.module_main(['/r/experiments/pretrain.py'],
                                                [py, '-m', 'experiments.pretrain'])
   assert not host_setup.module_main([], [])
+
+
+def test_a_trailing_dash_m_names_no_main():
+  """`python -m` with no module after it is no main (and no IndexError)."""
+  assert host_setup.module_main(['-m'], ['/usr/bin/python3', '-m']) == ''
 
 
 def test_thp_mode_reads_the_bracketed_choice(tmp_path):
