@@ -94,16 +94,17 @@ def encode_modes(docs, tokenizer: str, repeats: int, workers: int) -> dict:
 def bench_prepare(tmp: pathlib.Path, repeats: int) -> dict:
   """prepare_data end to end on the corpus (shards, index, split): tokens/s and docs/s."""
   cfg = DataConfig(source='text', paths=_CORPUS.value, tokenizer=_TOKENIZER.value)
-  index = {}
+  index, made = {}, []
 
   def run():
-    out = tmp / f'prep{time.perf_counter_ns()}'
-    index.update(shards.prepare(cfg, out, vocab_size=10**6, shard_tokens=2**20, quiet=True))
+    made.append(tmp / f'prep{time.perf_counter_ns()}')
+    index.update(shards.prepare(cfg, made[-1], vocab_size=10**6, shard_tokens=2**20,
+                                quiet=True))
   secs = median_time(run, repeats)
   tokens = sum(index['splits'][s]['tokens'] for s in shards.SPLITS)
   docs = sum(index['splits'][s]['docs'] for s in shards.SPLITS)
   return {'seconds': secs, 'tokens': tokens, 'docs': docs, 'tokens_per_s': tokens / secs,
-          'docs_per_s': docs / secs, 'dir': str(tmp / 'prep')}
+          'docs_per_s': docs / secs, 'dir': str(made[-1])}
 
 
 def sparse_dir(out: pathlib.Path, n_tokens: int, tok) -> pathlib.Path:
@@ -169,7 +170,7 @@ def main(argv):
     tmp = pathlib.Path(tmp)
     result['encode'] = encode_modes(docs, _TOKENIZER.value, _REPEATS.value, _WORKERS.value)
     result['prepare'] = bench_prepare(tmp, _REPEATS.value)
-    prepared = sorted(tmp.glob('prep*'))[-1]
+    prepared = pathlib.Path(result['prepare']['dir'])
     result['input_prepared_sample'] = bench_input(prepared, cfg, tok.vocab_size)
     big = sparse_dir(tmp / 'sparse', _SPARSE_TOKENS.value, tok)
     result['input_sparse_corpus'] = bench_input(big, cfg, tok.vocab_size)

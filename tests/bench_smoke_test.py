@@ -407,12 +407,11 @@ print(json.dumps(dict(r, made=made)))
 """
 
 
-@pytest.mark.xfail(strict=True, reason='bench_prepare reports dir=<tmp>/prep, but each run '
-                   'prepares into <tmp>/prep<perf_counter_ns>: the JSON names a folder never made')
 def test_bench_data_prepare_reports_the_folder_it_prepared():
   """prepare.dir in the report is the folder prepare_data wrote."""
   r = py_json(BENCH_DATA_PREPARE)
   assert r['docs'] == 50 and r['dir'] in r['made']
+
 
 OUT_OF_RANGE = [
     (('bench_generate', '--shapes=foo'), '--shapes must be shape names'),
