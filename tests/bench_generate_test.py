@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import py_json
+from conftest import md_table, py_json
 from elastic_depth import books, config as config_lib
 from experiments import bench_util
 
@@ -222,18 +222,6 @@ def test_bench_generate_calibrates_eps_to_the_target_loops_by_brute_force():
     assert gate == pytest.approx(fired[lo] + (pos - lo) * (fired[hi] - fired[lo]), rel=1e-6)
 
 
-def _md_rows(md: str, header: str) -> list:
-  """The cells of each body row of the markdown table whose header row starts with header."""
-  lines = md.splitlines()
-  i = next(i for i, l in enumerate(lines) if l.startswith(header))
-  rows = []
-  for line in lines[i + 2:]:
-    if not line.startswith('| '):
-      break
-    rows.append([c.strip() for c in line.strip().strip('|').split('|')])
-  return rows
-
-
 def test_bench_generate_report_puts_each_engines_figures_in_its_column():
   """bench_generate_report.markdown on a document whose engines' figures all differ: each
   cell holds the engine and field its header names; a figure of 0 prints as 0, only a
@@ -258,18 +246,18 @@ def test_bench_generate_report_puts_each_engines_figures_in_its_column():
              match_key='a0_match', batches={'4': eng})
   md = bench_generate_report.markdown(doc)
   a0, a1, al, ls, wt, u = (eng[k] for k in keys)
-  [main] = _md_rows(md, '| B | A0 tok/s')
+  [main] = md_table(md, '| B | A0 tok/s')[1]
   assert main[5:] == [f"{a1['loop_saving']:.1%}",
                       f"{a1['time_saving']:.1%} ({al['time_saving']:.1%})", '0.00 (-)']
-  [forced] = _md_rows(md, '| B | tokens scored')
+  [forced] = md_table(md, '| B | tokens scored')[1]
   assert forced[2].split(' / ') == [f"{e['forced_loss']:.4f}" for e in (a0, a1, wt, ls)]
   assert forced[3] == f"{a1['forced_loss'] - a0['forced_loss']:+.4f}" == '+0.1250'
-  [phase] = _md_rows(md, '| B | decode tok/s')
+  [phase] = md_table(md, '| B | decode tok/s')[1]
   assert phase[3].split(' (')[0].split(' / ') == [f"{e['prefill_s'] * 1e3:.2f}"
                                                   for e in (a0, a1, ls)]
-  [flops] = _md_rows(md, '| B | GFLOP / token A0')
+  [flops] = md_table(md, '| B | GFLOP / token A0')[1]
   assert float(flops[1]) == pytest.approx(a0['decode_flops'] / 1e9)
-  [front] = _md_rows(md, '| B | loops uniform / A1')
+  [front] = md_table(md, '| B | loops uniform / A1')[1]
   assert front[1] == f"{u['mean_loops']:.2f} / {wt['mean_loops']:.2f}"
 
 

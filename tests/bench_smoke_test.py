@@ -390,7 +390,6 @@ def test_bench_data_sparse_shards_input_rate_and_step_demand():
   assert dem['tokens_per_s'] * dem['train_flops_per_token'] == pytest.approx(0.25 * 100e12)
 
 
-
 BENCH_DATA_PREPARE = """
 import json, pathlib, shutil, tempfile
 from absl import flags

@@ -236,8 +236,8 @@ def mains_opts(wd, **kw):
 
 def report_results(path):
   """A report's results, after checking that the record holds its provenance."""
-  with open(path, encoding='utf-8') as f:
-    doc = json.load(f)
+  from elastic_depth import reports  # pylint: disable=import-outside-toplevel
+  doc = reports.read_report(path)
   assert {'date', 'command', 'flags', 'checkpoint', 'results'} <= set(doc)
   return doc['results']
 
@@ -253,6 +253,20 @@ def with_mean(workdir, tmp_path, mean: float):
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(cfg, f)
   return wd, cfg
+
+
+def md_table(md: str, header_start: str) -> tuple[list[str], list[list[str]]]:
+  """(header cells, each body row's cells) of the first markdown table whose header line
+  starts with header_start."""
+  lines = md.splitlines()
+  i = next(k for k, l in enumerate(lines) if l.startswith(header_start))
+  cells = lambda l: [c.strip() for c in l.strip().strip('|').split('|')]
+  body = []
+  for l in lines[i + 2:]:
+    if not l.startswith('|'):
+      break
+    body.append(cells(l))
+  return cells(lines[i]), body
 
 
 def py_json(code: str):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import nll_np, mains_opts, report_results, with_mean
+from conftest import md_table, mains_opts, nll_np, report_results, with_mean
 from elastic_depth import config as config_lib, decoding
 from elastic_depth.data import synthetic
 from elastic_depth import oracle
@@ -142,9 +142,8 @@ def test_saturation_depth_and_table_by_brute_force_over_each_runs_losses(tmp_pat
     want = min(d for d, l in zip(depths, loss) if l <= min(loss) + delta)
     out = tmp_path / str(delta) / 'reports'
     assert report_results(str(out / 'saturation.json'))[run]['saturation'] == want
-    md = (out / 'saturation.md').read_text().splitlines()
-    [row] = [l for l in md if l.startswith(f'| {run} ')]
-    cells = [c.strip() for c in row.strip('|').split('|')]
+    [cells] = md_table((out / 'saturation.md').read_text(), '| run |')[1]
+    assert cells[0] == run
     at = dict(zip(depths, loss))
     assert cells[2:] == [str(want)] + [f'{at[d]:.4f}' for d in (1, 2, 4, 8)] + [f'{min(loss):.4f}']
   assert res[2]['rc'] == 2 and 'empty, missing or not finite' in res[2]['stderr'], res[2]['stderr']

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import md_table
 from elastic_depth import reports
 
 
@@ -132,15 +133,8 @@ def test_a0_loss_at_equal_flops_is_blank_outside_a0s_flop_range():
 def _table_rows(md: str, header_start: str) -> list[dict]:
   """Rows of the first markdown table whose header line starts with header_start, as
   {column: cell} dicts."""
-  lines = md.splitlines()
-  i = next(k for k, l in enumerate(lines) if l.startswith(header_start))
-  cells = lambda l: [c.strip() for c in l.strip().strip('|').split('|')]
-  head, out = cells(lines[i]), []
-  for l in lines[i + 2:]:
-    if not l.startswith('|'):
-      break
-    out.append(dict(zip(head, cells(l), strict=True)))
-  return out
+  head, body = md_table(md, header_start)
+  return [dict(zip(head, row, strict=True)) for row in body]
 
 
 def test_convergence_group_table_puts_each_value_under_its_header():

@@ -161,7 +161,7 @@ def test_router_report_scores_the_fit_batches_and_the_held_out_ones(workdir):
   x = train_router.RouterOptions(steps=5, lr=1e-2, max_pairs=1000, fit_from=1, fit_batches=1)
   out = train_router.run(mains_opts(workdir, tag='split'), x)
   res = report_results(out['paths']['json'])
-  ld = common.load(common.Options(workdir=workdir, batches=2, progress=False))
+  ld = common.load(mains_opts(workdir))
   probe, key = router_lib.load(out['router']), jax.random.key(0)
   want = {split: router_lib.evaluate(probe, router_lib.harvest(ld.model, batches, ld.r_max, key,
                                                                x.max_pairs))
