@@ -231,7 +231,7 @@ def _check_args(model: LoopedLM, cfg: ExitConfig, prompt_BxP, n_new: int, eps_B,
 
 def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
           eps_B=None, prompt_len_B=None, temperature: float = 0.0,
-          forced_BxN=None, seed_B=None) -> State:
+          forced_BxN=None, seed_B=None, prefill_cfg: ExitConfig | None = None) -> State:
   """Prefills the prompts (parallel semantics, per-row eps) and admits each row's first token.
 
   Args:
@@ -249,15 +249,20 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     seed_B: int [B] each request's sampling seed, kept in the State (`State.seed`) for
       every admission: a row's samples depend on its prompt, eps and seed, not on its
       batch. Default arange(B), the row index (as `decoding.generate`: rows sample apart).
+    prefill_cfg: the prompt's exit config, as `decoding.generate`'s (e.g. a deep prompt
+      and shallow tokens); default cfg with the rows' eps_B.
   Returns:
     (State with each row's first token admitted, prompt depths [B, P], eps_B); `run`
     advances the State.
   """
   _check_args(model, cfg, prompt_BxP, n_new, eps_B, prompt_len_B, forced_BxN, seed_B)
+  if prefill_cfg is not None:
+    check_exit(prefill_cfg)
   b, p = prompt_BxP.shape
   eps_B = jnp.full((b,), cfg.eps, jnp.float32) if eps_B is None else jnp.asarray(eps_B)
   plen_B = jnp.full((b,), p, jnp.int32) if prompt_len_B is None else jnp.asarray(prompt_len_B)
-  pcfg = dataclasses.replace(cfg, eps=eps_B[:, None])  # policies compare kl < eps per row
+  pcfg = (dataclasses.replace(cfg, eps=eps_B[:, None]) if prefill_cfg is None  # kl < eps per row
+          else prefill_cfg)
   res = inference.score(model, prompt_BxP, pcfg, rng)
   cache = decoding.init_cache(model, b, p + n_new)
   rows = jnp.arange(b)
@@ -327,7 +332,8 @@ def run(model: LoopedLM, st: State, cfg: ExitConfig, rng, eps_B, *, until=None,
 def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
              eps_B=None, prompt_len_B=None, temperature: float = 0.0,
              compact: bool = True, wait_rows: int = 1, forced_BxN=None,
-             fuse: bool = True, seed_B=None) -> Generation:
+             fuse: bool = True, seed_B=None, prefill_cfg: ExitConfig | None = None
+             ) -> Generation:
   """Depth-wise batched generation; per row equal to decoding.generate with its eps.
 
   Args:
@@ -343,6 +349,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     forced_BxN: int [B, n_new] forced decoding: row b's tokens after its prompt are
       forced_BxN[b], not picked, and the NLL of each forced token is recorded.
     seed_B: int [B] each request's sampling seed, as `start` (default arange(B)).
+    prefill_cfg: the prompt's exit config, as `start` (default cfg).
   Returns:
     Generation: tokens int32 [B, P + n_new] (row b's prompt, then its n_new tokens at
     p_b..), depth int32 [B, n_new] loops per generated token, prompt_depth int32 [B, P]
@@ -353,7 +360,7 @@ def generate(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
   """
   st, pdepth, eps_B = start(model, prompt_BxP, n_new, cfg, rng, eps_B=eps_B,
                             prompt_len_B=prompt_len_B, temperature=temperature,
-                            forced_BxN=forced_BxN, seed_B=seed_B)
+                            forced_BxN=forced_BxN, seed_B=seed_B, prefill_cfg=prefill_cfg)
   st = run(model, st, cfg, rng, eps_B, temperature=temperature, compact=compact,
            wait_rows=wait_rows, forced=forced_BxN is not None, fuse=fuse)
   return Generation(st.tokens, st.depth, pdepth, st.counts,

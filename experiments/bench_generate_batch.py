@@ -35,6 +35,12 @@ baseline, as a shallow prefill costs quality) is within the same tolerance of A0
 decoded in the same rounds ('a0_match', lockstep decoding.generate with prefill_cfg A0's)
 when it is below A0's depth; each A1 engine reports its speed against it (`speed_vs_match`,
 `decode_speed_vs_match`: the uniform depth's time over A1's).
+Uniform depth runs through both engines ('a0_depthwise', 'a0_match_depthwise':
+serving.generate with the uniform policy, the prompt prefilled as A0's), and the faster one
+is the baseline (`match_engine`; `realized_over_loop_best_a0` beside the lockstep A0's
+realized / loop): on a one-head model (head_dim 128) XLA:CPU ran lockstep decoding's cache
+at 0.55x the depth-wise engine's speed at B = 32 (2026-12-08), which would have credited the
+exits with the engines' difference.
 A loop saving against A0 that uniform depth alone reaches at matched quality is not one
 the exits bought.
 --decode_tokens=forced (with --workdir): every engine decodes the validation text that
@@ -157,17 +163,18 @@ def _digest(computed, depth, p: int):
                     for x in jax.tree.leaves(computed) if jnp.issubdtype(x.dtype, jnp.floating))
 
 
-def _prefills(mdl, n: int, a0_cfg, a1_cfg, rng) -> dict:
-  """Each variant's prefill phase (the depth-wise engines share serving.start's), timed to
-  a digest of its output: returning the whole cache from a call of its own cost 0.7 ms
-  more than building it inside generate (B = 32, 80 slots, 2026-12-05), which the decode
-  phase (call - prefill) would then have lacked."""
+def _prefills(mdl, n: int, a0_cfg, a1_cfg, rng, served: dict) -> dict:
+  """Each variant's prefill phase (the depth-wise engines': serving.start's with their
+  served {key: (cfg, prefill_cfg)}), timed to a digest of its output: returning the whole
+  cache from a call of its own cost 0.7 ms more than building it inside generate (B = 32,
+  80 slots, 2026-12-05), which the decode phase (call - prefill) would then have lacked."""
   total, p = _F.prompt_len + n, _F.prompt_len
   cached = lambda cfg: jax.jit(lambda x, f: (lambda o: _digest(o[:2], o[2], p))(
       decoding.prefill(mdl, x, cfg, rng, total)))
+  start = lambda cfg, pre: jax.jit(lambda x, f: (lambda o: _digest(o[0], o[1], p))(
+      serving.start(mdl, x, n, cfg, rng, forced_BxN=f, prefill_cfg=pre)))
   return {'a0': cached(a0_cfg), 'a1_lockstep': cached(a1_cfg),
-          'a1_depthwise': jax.jit(lambda x, f: (lambda o: _digest(o[0], o[1], p))(
-              serving.start(mdl, x, n, a1_cfg, rng, forced_BxN=f)))}
+          **{k: start(cfg, pre) for k, (cfg, pre) in served.items()}}
 
 
 def _phase_fields(row: dict, total_s, prefill_s, n_tok: int, prompt_depth, a0=None) -> dict:
@@ -241,7 +248,8 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
                 match_depth: int | None = None) -> dict:
   """A0, A1 depth-wise (compacted, waiting, all-rows) and A1 lockstep at batch b (medians);
   forced decoding where the pool has the tokens after each prompt (`_val_pool`); with a
-  match_depth below A0's, uniform depth match_depth too ('a0_match', `_vs_match`)."""
+  match_depth below A0's, uniform depth match_depth too ('a0_match', `_vs_match`); uniform
+  depth also through the depth-wise engine ('<key>_depthwise', `_vs_best_a0`)."""
   n, rng = _F.new_tokens, jax.random.key(_F.seed)
   rows_of = lambda x: jnp.asarray(np.resize(x, (b, x.shape[1])))
   prompts = rows_of(pool['prompt'])
@@ -252,18 +260,23 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
                              compact_steps=_PREFILL_STEPS.value)
   counted = lambda cfg, pre=None: jax.jit(lambda p, f: decoding.generate(
       mdl, p, n, cfg, rng, with_counts=True, forced_BxN=f, prefill_cfg=pre))
-  served = lambda **kw: jax.jit(lambda p, f: serving.generate(mdl, p, n, a1_cfg, rng,
-                                                              forced_BxN=f, **kw))
-  fns = {'a0': counted(a0_cfg)}
+  served_by = lambda cfg, pre=None, **kw: jax.jit(lambda p, f: serving.generate(
+      mdl, p, n, cfg, rng, forced_BxN=f, prefill_cfg=pre, **kw))
+  served = lambda **kw: served_by(a1_cfg, **kw)
+  # uniform depth through both engines: the faster one is the baseline (`_vs_best`)
+  starts = {'a0_depthwise': (a0_cfg, None), 'a1_depthwise': (a1_cfg, None)}
+  fns = {'a0': counted(a0_cfg), 'a0_depthwise': served_by(a0_cfg)}
   match = match_depth is not None and match_depth < a0_depth
   if match:  # the prompt prefilled as A0's (`bench_generate_quality.cheapest_uniform`)
     match_cfg = config.ExitConfig(policy='uniform', depth=match_depth)
     fns['a0_match'] = counted(match_cfg, a0_cfg)
+    fns['a0_match_depthwise'] = served_by(match_cfg, a0_cfg)
+    starts['a0_match_depthwise'] = (match_cfg, a0_cfg)
   exits = {'a1_depthwise': served(),  # the A1 engines: checks booked, compared with the match
            'a1_waiting': served(wait_rows=_WAIT.value or b), 'a1_allrows': served(compact=False),
            'a1_lockstep': counted(a1_cfg)}  # lockstep returns its counts (a few ints per step)
   fns.update(exits)
-  pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng)
+  pre = _prefills(mdl, n, a0_cfg, a1_cfg, rng, starts)
   calls = {k: functools.partial(f, prompts, forced) for k, f in fns.items()}
   calls.update({f'prefill:{k}': functools.partial(f, prompts, forced) for k, f in pre.items()})
   timed = timing.interleaved(calls, _F.repeats)
@@ -273,7 +286,8 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
     is_served = isinstance(out, serving.Generation)
     depth, nll, _ = _outputs(out, forced is not None)
     pdepth = out.prompt_depth if is_served else None
-    pk = 'a1_depthwise' if is_served else 'a0' if key == 'a0_match' else key
+    pk = (key if key in starts else 'a1_depthwise') if is_served else (
+        'a0' if key == 'a0_match' else key)
     if pdepth is None:
       pdepth = pre[pk](prompts, forced)[0]
     a0 = rows.get('a0')  # None while timing A0 itself
@@ -298,16 +312,36 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
           f'  prefill {rows[key]["prefill_s"] * 1e3:.2f} ms  kernel '
           f'{rows[key]["sys_s_median"]:.3f} s, {rows[key]["minor_faults_median"]:.0f} faults '
           f'per call', flush=True)
-  return _vs_match(rows, 'a0_match' if match else 'a0', exits)
+  return _vs_match(_vs_best_a0(rows, exits), 'a0_match' if match else 'a0', exits)
+
+
+def _faster(rows: dict, key: str) -> str:
+  """Of uniform depth's lockstep row `key` and its depth-wise twin, the faster end to end."""
+  return min((key, key + '_depthwise'), key=lambda k: rows[k]['seconds'])
+
+
+def _vs_best_a0(rows: dict, exits) -> dict:
+  """Each A1 engine's time saving against the faster A0 engine over its loop saving, end to
+  end and in the decode phase (the main table's realized / loop is against lockstep A0)."""
+  u = rows[_faster(rows, 'a0')]
+  for k in exits:
+    r, ls = rows[k], rows[k]['loop_saving']
+    r['best_a0_engine'] = 'lockstep' if u is rows['a0'] else 'depthwise'
+    r['realized_over_loop_best_a0'] = (1 - r['seconds'] / u['seconds']) / ls if ls > 0 else None
+    ok = ls > 0 and u['decode_s'] is not None and r['decode_s'] is not None
+    r['decode_realized_over_loop_best_a0'] = (1 - r['decode_s'] / u['decode_s']) / ls if ok else None
+  return rows
 
 
 def _vs_match(rows: dict, key: str, exits) -> dict:
   """Each A1 engine's (the rows named in exits) speed against the cheapest matched uniform
-  depth (rows[key]): its time over A1's, end to end and in the decode phase (> 1: A1 is
-  faster)."""
-  u = rows[key]
+  depth, on the faster of its two engines (rows[key] lockstep, rows[key + '_depthwise']):
+  its time over A1's, end to end and in the decode phase (> 1: A1 is faster)."""
+  best = _faster(rows, key)
+  u = rows[best]
   for k in exits:
     r = rows[k]
+    r['match_engine'] = 'lockstep' if best == key else 'depthwise'
     r['speed_vs_match'] = u['seconds'] / r['seconds']
     ok = u['decode_s'] is not None and r['decode_s'] is not None
     r['decode_speed_vs_match'] = u['decode_s'] / r['decode_s'] if ok else None

@@ -14,16 +14,19 @@ def markdown(doc: dict) -> str:
             f'{q["a0_loss"]:.4f}, A1 ({q["policy"]}) {q["a1_loss"]:.4f} at '
             f'eps {q["eps"]:.0e} (matched: {q["matched"]})' if 'a0_loss' in q
             else f'no quality (random init), eps {q["eps"]:.2e}'), '',
-           '| B | A0 tok/s | A1 depth-wise tok/s (all-rows) | A1 lockstep tok/s | '
-           'loops A0 / A1 | loop saving | time saving (all-rows) | realized / loop (all-rows) |',
-           '|' + '---|' * 8]
+           '| B | A0 tok/s lockstep (depth-wise) | A1 depth-wise tok/s (all-rows) | A1 lockstep '
+           'tok/s | loops A0 / A1 | loop saving | time saving (all-rows) | realized / loop '
+           '(all-rows) | realized / loop vs the faster A0 (its engine) |',
+           '|' + '---|' * 9]
   for b, r in doc['batches'].items():
     a0, a1, al, ls = r['a0'], r['a1_depthwise'], r['a1_allrows'], r['a1_lockstep']
-    lines.append(f'| {b} | {a0["tokens_per_s"]:.0f} | {a1["tokens_per_s"]:.0f} '
+    lines.append(f'| {b} | {a0["tokens_per_s"]:.0f} ({r["a0_depthwise"]["tokens_per_s"]:.0f}) '
+                 f'| {a1["tokens_per_s"]:.0f} '
                  f'({al["tokens_per_s"]:.0f}) | {ls["tokens_per_s"]:.0f} | '
                  f'{a0["mean_loops"]:.2f} / {a1["mean_loops"]:.2f} | {a1["loop_saving"]:.1%} | '
                  f'{a1["time_saving"]:.1%} ({al["time_saving"]:.1%}) | '
-                 f'{_f(a1["realized_over_loop"])} ({_f(al["realized_over_loop"])}) |')
+                 f'{_f(a1["realized_over_loop"])} ({_f(al["realized_over_loop"])}) | '
+                 f'{_f(a1["realized_over_loop_best_a0"])} ({a1["best_a0_engine"]}) |')
   return '\n'.join(lines + _forced(doc) + _phases(doc) + _flops(doc) + _frontier(doc)) + '\n'
 
 
@@ -88,17 +91,19 @@ def _frontier(doc: dict) -> list:
   lines = ['', f'The frontier: A1 against uniform depth {q["match_depth"]}, the smallest whose '
            f'loss ({q["match_loss"]:.4f}, measured as A1\'s above) is within {q["tol"]} nats '
            f'of A0\'s ({q["a0_loss"]:.4f}; A1 {q["a1_loss"]:.4f}). Speed: the uniform depth\'s '
-           'time over A1\'s (> 1: A1 is faster), same rounds.', '',
-           '| B | loops uniform / A1 | decode tok/s uniform | decode speed A1 vs uniform: '
-           'depth-wise; waiting; lockstep | end to end: depth-wise; waiting; lockstep | '
-           'forced loss uniform / A1 |', '|' + '---|' * 6]
+           'time over A1\'s (> 1: A1 is faster), same rounds, the uniform depth on the faster '
+           'of its two engines (lockstep, depth-wise).', '',
+           '| B | loops uniform / A1 | uniform engine | decode tok/s uniform | decode speed A1 '
+           'vs uniform: depth-wise; waiting; lockstep | end to end: depth-wise; waiting; '
+           'lockstep | forced loss uniform / A1 |', '|' + '---|' * 7]
   keys = ('a1_depthwise', 'a1_waiting', 'a1_lockstep')
   for b, r in doc['batches'].items():
-    u = r[doc['match_key']]
+    engine = r['a1_depthwise']['match_engine']
+    u = r[doc['match_key'] + ('_depthwise' if engine == 'depthwise' else '')]
     dec = '; '.join(_f(r[k]['decode_speed_vs_match']) for k in keys)
     e2e = '; '.join(_f(r[k]['speed_vs_match']) for k in keys)
     forced = (f'{u["forced_loss"]:.4f} / {r["a1_waiting"]["forced_loss"]:.4f}'
               if 'forced_loss' in u else '-')
     lines.append(f'| {b} | {u["mean_loops"]:.2f} / {r["a1_waiting"]["mean_loops"]:.2f} | '
-                 f'{_f(u["decode_tokens_per_s"], ".0f")} | {dec} | {e2e} | {forced} |')
+                 f'{engine} | {_f(u["decode_tokens_per_s"], ".0f")} | {dec} | {e2e} | {forced} |')
   return lines

@@ -82,6 +82,13 @@ def test_bench_generate_batch_sizes_write_json_and_markdown(tmp_path):
   # the depth-wise (compacted or not) and lockstep engines run the same tokens to the same depths
   al, wt = rows['a1_allrows'], rows['a1_waiting']
   assert rows['a1_lockstep']['mean_loops'] == a1['mean_loops'] == al['mean_loops']
+  # uniform depth through the depth-wise engine too: A1 also judged against the faster A0
+  u = rows['a0_depthwise']
+  assert u['mean_loops'] == 8 and u['prompt_mean_loops'] == 8 and u['decode_counts']['checks'] == 0
+  best = min((a0, u), key=lambda r: r['seconds'])
+  assert a1['best_a0_engine'] == ('lockstep' if best is a0 else 'depthwise')
+  assert a1['realized_over_loop_best_a0'] == pytest.approx(
+      (1 - a1['seconds'] / best['seconds']) / a1['loop_saving'])
   assert wt['mean_loops'] == a1['mean_loops'] and wt['engine_steps'] >= a1['engine_steps']
   assert a1['readout_rows'] <= al['readout_rows'] and a1['prelude_rows'] <= al['prelude_rows']
 
@@ -227,7 +234,8 @@ def test_bench_generate_report_puts_each_engines_figures_in_its_column():
   cell holds the engine and field its header names; a figure of 0 prints as 0, only a
   missing one (None) as '-'; GFLOP are FLOPs / 1e9."""
   from experiments import bench_generate_report  # pylint: disable=g-import-not-at-top
-  keys = ('a0', 'a1_depthwise', 'a1_allrows', 'a1_lockstep', 'a1_waiting', 'a0_match')
+  keys = ('a0', 'a1_depthwise', 'a1_allrows', 'a1_lockstep', 'a1_waiting', 'a0_match',
+          'a0_depthwise', 'a0_match_depthwise')
   eng = {k: dict(tokens_per_s=100.0 * (i + 1), mean_loops=8.0 - i, loop_saving=0.1 * i,
                  time_saving=0.05 * (i + 1), realized_over_loop=0.25 * i,
                  forced_loss=2.0 + 0.125 * i, forced_tokens=48, decode_tokens_per_s=50.0 * (i + 1),
@@ -239,16 +247,20 @@ def test_bench_generate_report_puts_each_engines_figures_in_its_column():
          for i, k in enumerate(keys)}
   eng['a1_depthwise']['realized_over_loop'] = 0.0  # none realized: 0.00, not '-'
   eng['a1_allrows']['realized_over_loop'] = None   # no loop saving: no figure
+  eng['a1_depthwise'].update(realized_over_loop_best_a0=0.625, best_a0_engine='depthwise',
+                             match_engine='depthwise')
   q = dict(a0_loss=2.0, a1_loss=2.125, policy='kl', eps=1e-3, matched=True, match_depth=3,
            match_loss=2.5, tol=0.5)
   doc = dict(date='d', model='m', machine='x', loadavg=[0, 0, 0], quality=q,
              decode_tokens='forced', prefill_engine='compacted', wait_rows=2,
              match_key='a0_match', batches={'4': eng})
   md = bench_generate_report.markdown(doc)
-  a0, a1, al, ls, wt, u = (eng[k] for k in keys)
+  a0, a1, al, ls, wt, _, a0_dw, u = (eng[k] for k in keys)
   [main] = md_table(md, '| B | A0 tok/s')[1]
+  assert main[1] == f"{a0['tokens_per_s']:.0f} ({a0_dw['tokens_per_s']:.0f})"
   assert main[5:] == [f"{a1['loop_saving']:.1%}",
-                      f"{a1['time_saving']:.1%} ({al['time_saving']:.1%})", '0.00 (-)']
+                      f"{a1['time_saving']:.1%} ({al['time_saving']:.1%})", '0.00 (-)',
+                      '0.62 (depthwise)']
   [forced] = md_table(md, '| B | tokens scored')[1]
   assert forced[2].split(' / ') == [f"{e['forced_loss']:.4f}" for e in (a0, a1, wt, ls)]
   assert forced[3] == f"{a1['forced_loss'] - a0['forced_loss']:+.4f}" == '+0.1250'
@@ -257,8 +269,28 @@ def test_bench_generate_report_puts_each_engines_figures_in_its_column():
                                                   for e in (a0, a1, ls)]
   [flops] = md_table(md, '| B | GFLOP / token A0')[1]
   assert float(flops[1]) == pytest.approx(a0['decode_flops'] / 1e9)
-  [front] = md_table(md, '| B | loops uniform / A1')[1]
-  assert front[1] == f"{u['mean_loops']:.2f} / {wt['mean_loops']:.2f}"
+  [front] = md_table(md, '| B | loops uniform / A1')[1]  # the faster engine's uniform row
+  assert front[1:4] == [f"{u['mean_loops']:.2f} / {wt['mean_loops']:.2f}", 'depthwise',
+                        f"{u['decode_tokens_per_s']:.0f}"]
+  assert front[6] == f"{u['forced_loss']:.4f} / {wt['forced_loss']:.4f}"
+
+
+def test_exits_are_judged_against_the_faster_uniform_engine():
+  """bench_generate_batch._vs_best_a0 / _vs_match by hand: the baseline is whichever of the
+  lockstep and depth-wise uniform rows ran faster end to end, per batch."""
+  from experiments import bench_generate_batch as g  # pylint: disable=g-import-not-at-top
+  row = lambda sec, dec: dict(seconds=sec, decode_s=dec)
+  for lock, dw, engine in ((4.0, 2.0, 'depthwise'), (2.0, 4.0, 'lockstep')):
+    rows = dict(a0=row(lock, lock - 1), a0_depthwise=row(dw, dw - 1),
+                a0_match=row(lock / 2, lock / 2 - 0.5), a0_match_depthwise=row(dw / 2, dw / 2 - 0.5),
+                a1=dict(row(1.5, 1.0), loop_saving=0.5))
+    g._vs_match(g._vs_best_a0(rows, ['a1']), 'a0_match', ['a1'])
+    a1, base = rows['a1'], min(lock, dw)
+    assert a1['best_a0_engine'] == a1['match_engine'] == engine
+    assert a1['realized_over_loop_best_a0'] == pytest.approx((1 - 1.5 / base) / 0.5)
+    assert a1['decode_realized_over_loop_best_a0'] == pytest.approx((1 - 1.0 / (base - 1)) / 0.5)
+    assert a1['speed_vs_match'] == pytest.approx(base / 2 / 1.5)
+    assert a1['decode_speed_vs_match'] == pytest.approx((base / 2 - 0.5) / 1.0)
 
 
 def test_bench_generate_runs_with_fewer_new_tokens_than_the_prompt(main_cases):

@@ -183,6 +183,31 @@ def test_uniform_equals_lockstep_generation():
   assert int(out.counts.readout_rows) == N * len(PROMPTS)  # one readout per token
 
 
+def test_prefill_cfg_equals_lockstep_with_the_same_prompt_depth():
+  """A deep prompt and shallow tokens (uniform 2 after a prompt at 6, the frontier's
+  baseline in bench_generate): forced NLLs and tokens equal decoding.generate's with the
+  same prefill_cfg, and differ from a prompt prefilled at the tokens' own depth."""
+  mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(2))
+  rng = jax.random.key(1)
+  cfg = config.ExitConfig(policy='uniform', depth=2)
+  deep = config.ExitConfig(policy='uniform', depth=6)
+  prompts = jnp.asarray(PROMPTS, jnp.int32)
+  forced = jax.random.randint(jax.random.key(3), (len(PROMPTS), N), 0, mdl.cfg.vocab_size)
+  served = lambda pre: jax.jit(lambda p, f: serving.generate(
+      mdl, p, N, cfg, rng, forced_BxN=f, prefill_cfg=pre))(prompts, forced)
+  out, shallow = served(deep), served(None)
+  _, depth, nll = jax.jit(lambda p, f: decoding.generate(
+      mdl, p, N, cfg, rng, forced_BxN=f, prefill_cfg=deep))(prompts, forced)
+  np.testing.assert_array_equal(np.asarray(out.depth), np.asarray(depth))
+  np.testing.assert_array_equal(np.asarray(out.prompt_depth), 6)
+  np.testing.assert_array_equal(np.asarray(shallow.prompt_depth), 2)
+  np.testing.assert_allclose(np.asarray(out.nll), np.asarray(nll), rtol=1e-5, atol=1e-5)
+  assert np.max(np.abs(np.asarray(out.nll) - np.asarray(shallow.nll))) > 1e-3
+  with pytest.raises(ValueError, match='depth'):
+    serving.generate(mdl, prompts, N, cfg, rng, prefill_cfg=config.ExitConfig(
+        policy='uniform', depth=0))
+
+
 def test_bad_input_is_one_error_line(setup):
   mdl, rng, _, _, _ = setup
   p = jnp.asarray(PROMPTS, jnp.int32)
