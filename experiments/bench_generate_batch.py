@@ -263,7 +263,7 @@ def bench_batch(mdl, pool: dict, b: int, a0_depth: int, r_max: int, eps: float,
   served_by = lambda cfg, pre=None, **kw: jax.jit(lambda p, f: serving.generate(
       mdl, p, n, cfg, rng, forced_BxN=f, prefill_cfg=pre, **kw))
   served = lambda **kw: served_by(a1_cfg, **kw)
-  # uniform depth through both engines: the faster one is the baseline (`_vs_best`)
+  # uniform depth through both engines: the faster one is the baseline (`_faster`)
   starts = {'a0_depthwise': (a0_cfg, None), 'a1_depthwise': (a1_cfg, None)}
   fns = {'a0': counted(a0_cfg), 'a0_depthwise': served_by(a0_cfg)}
   match = match_depth is not None and match_depth < a0_depth
