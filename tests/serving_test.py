@@ -185,8 +185,8 @@ def test_uniform_equals_lockstep_generation():
 
 def test_prefill_cfg_equals_lockstep_with_the_same_prompt_depth():
   """A deep prompt and shallow tokens (uniform 2 after a prompt at 6, the frontier's
-  baseline in bench_generate): forced NLLs and tokens equal decoding.generate's with the
-  same prefill_cfg, and differ from a prompt prefilled at the tokens' own depth."""
+  baseline in bench_generate): depths and forced NLLs equal decoding.generate's with the
+  same prefill_cfg, and the NLLs differ from a prompt prefilled at the tokens' own depth."""
   mdl = model_lib.LoopedLM(exit_model_config(), nnx.Rngs(2))
   rng = jax.random.key(1)
   cfg = config.ExitConfig(policy='uniform', depth=2)
