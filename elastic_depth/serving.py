@@ -256,8 +256,6 @@ def start(model: LoopedLM, prompt_BxP, n_new: int, cfg: ExitConfig, rng, *,
     advances the State.
   """
   _check_args(model, cfg, prompt_BxP, n_new, eps_B, prompt_len_B, forced_BxN, seed_B)
-  if prefill_cfg is not None:
-    check_exit(prefill_cfg)
   b, p = prompt_BxP.shape
   eps_B = jnp.full((b,), cfg.eps, jnp.float32) if eps_B is None else jnp.asarray(eps_B)
   plen_B = jnp.full((b,), p, jnp.int32) if prompt_len_B is None else jnp.asarray(prompt_len_B)
